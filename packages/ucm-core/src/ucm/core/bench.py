@@ -1,0 +1,185 @@
+"""``ucm bench store``: store throughput against baselines measured in the same run.
+
+For each block size, the same bytes go through
+  * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
+  * raw O_DIRECT file I/O and the posix store with ``o_direct``;
+  * memcpy into and out of pre-faulted memory and the dram store;
+and the ratio store / baseline is printed per direction.  Each figure is the best of
+``--repeat`` runs, so that a noisy neighbour lowers no ratio by chance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+from tqdm import tqdm
+
+from ucm.core.config import GIB, DramStoreConfig, PosixStoreConfig
+from ucm.core.store import DramStore, PosixStore, Store
+
+BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _aligned(size: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, size)
+    buf.write(b"\x01" * size)  # fault the pages in before timing
+    return buf
+
+
+def _best(repeat: int, run: Callable[[], float]) -> float:
+    return min(run() for _ in range(repeat))
+
+
+def _raw_file(directory: str, srcs: list, dsts: list, n: int, direct: bool) -> tuple[float, float]:
+    path = os.path.join(directory, "raw.bin")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0)
+    t0 = time.perf_counter()
+    fd = os.open(path, flags, 0o600)
+    for i in range(n):
+        os.write(fd, srcs[i % len(srcs)])
+    os.close(fd)
+    t_write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+    for i in range(n):
+        os.readv(fd, [dsts[i % len(dsts)]])
+    os.close(fd)
+    t_read = time.perf_counter() - t0
+    os.unlink(path)
+    return t_write, t_read
+
+
+def _through_store(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+    keys = [os.urandom(16) for _ in range(n)]
+    t0 = time.perf_counter()
+    tasks = [
+        store.dump(keys[s : s + BATCH], [srcs[i % len(srcs)] for i in range(s, min(s + BATCH, n))])
+        for s in range(0, n, BATCH)
+    ]
+    for task in tasks:
+        bad = [r for r in store.wait(task) if not r.ok]
+        if bad:
+            raise RuntimeError(f"dump failed: {bad[0]}")
+    t_dump = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in range(0, n, BATCH):  # a batch's buffers are distinct: loads run concurrently
+        batch = keys[s : s + BATCH]
+        bad = [r for r in store.wait(store.load(batch, dsts[: len(batch)])) if not r.ok]
+        if bad:
+            raise RuntimeError(f"load failed: {bad[0]}")
+    t_load = time.perf_counter() - t0
+    store.remove(keys)
+    return t_dump, t_load
+
+
+def _memcpy(srcs: list, pool: list, dsts: list, n: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    for i in range(n):
+        pool[i][:] = srcs[i % len(srcs)]
+    t_in = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(n):
+        dsts[i % len(dsts)][:] = pool[i]
+    return t_in, time.perf_counter() - t0
+
+
+def _lookup_prefix_ms(store: Store, srcs: list, count: int = 512) -> float:
+    keys = [os.urandom(16) for _ in range(count)]
+    store.wait(store.dump(keys, [srcs[0]] * count))
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        found = store.lookup_prefix(keys)
+        times.append(time.perf_counter() - t0)
+        assert found == count
+    store.remove(keys)
+    return 1e3 * statistics.median(times)
+
+
+def run_store_bench(args: argparse.Namespace) -> int:
+    own_dir = args.path is None
+    root = tempfile.mkdtemp(prefix="ucm-bench-") if own_dir else args.path
+    os.makedirs(root, exist_ok=True)
+    rows: list[dict[str, object]] = []
+    summary: dict[str, object] = {"path": root, "total_gb": args.total_gb, "cases": rows}
+    try:
+        for kib in args.block_kib:
+            size = kib * 1024
+            n = max(BATCH, int(args.total_gb * GIB) // size)
+            srcs = [_aligned(size) for _ in range(16)]
+            for i, s in enumerate(srcs):
+                s[:16] = i.to_bytes(16, "little")
+            dsts = [_aligned(size) for _ in range(BATCH)]
+            cases: list[tuple[str, Callable[[], tuple[float, float]], str | None]] = []
+            raw_dir = os.path.join(root, "raw")
+            os.makedirs(raw_dir, exist_ok=True)
+            posix = PosixStore(PosixStoreConfig(path=os.path.join(root, "posix")))
+            direct = PosixStore(PosixStoreConfig(path=os.path.join(root, "direct"), o_direct=True))
+            dram = DramStore(DramStoreConfig(capacity_gb=2 * n * size / GIB))
+            pool: list = []
+            cases = [
+                ("raw file", lambda: _raw_file(raw_dir, srcs, dsts, n, False), None),
+                ("posix", lambda: _through_store(posix, srcs, dsts, n), "raw file"),
+                ("raw O_DIRECT", lambda: _raw_file(raw_dir, srcs, dsts, n, True), None),
+                ("posix O_DIRECT", lambda: _through_store(direct, srcs, dsts, n), "raw O_DIRECT"),
+                ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
+                ("dram", lambda: _through_store(dram, srcs, dsts, n), "memcpy"),
+            ]
+            measured: dict[str, tuple[float, float]] = {}
+            label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
+            for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
+                if name == "memcpy":
+                    pool[:] = [_aligned(size) for _ in range(n)]
+                timings = [run() for _ in range(args.repeat)]
+                if name == "memcpy":
+                    pool.clear()
+                best = (min(t[0] for t in timings), min(t[1] for t in timings))
+                measured[name] = best
+                gb = n * size / 1e9
+                row: dict[str, object] = {
+                    "block_bytes": size, "case": name, "blocks": n,
+                    "dump_gbps": gb / best[0], "load_gbps": gb / best[1],
+                }
+                if baseline:
+                    base = measured[baseline]
+                    row["baseline"] = baseline
+                    row["dump_ratio"] = base[0] / best[0]
+                    row["load_ratio"] = base[1] / best[1]
+                rows.append(row)
+            if kib == args.block_kib[-1] or n >= 512:
+                summary.setdefault("lookup_prefix_512_ms", _lookup_prefix_ms(posix, srcs))
+            for store in (posix, direct, dram):
+                store.close()
+            shutil.rmtree(raw_dir, ignore_errors=True)
+    finally:
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    _print(rows, summary)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _print(rows: list[dict[str, object]], summary: dict[str, object]) -> None:
+    print(f"{'block':>8}  {'case':<15} {'write GB/s':>10} {'read GB/s':>10} "
+          f"{'write ratio':>11} {'read ratio':>10}  baseline")
+    for row in rows:
+        size = int(row["block_bytes"])  # type: ignore[call-overload]
+        label = f"{size >> 10} KiB" if size < (1 << 20) else f"{size >> 20} MiB"
+        ratios = (
+            f"{row['dump_ratio']:>11.2f} {row['load_ratio']:>10.2f}  {row['baseline']}"
+            if "baseline" in row else f"{'':>11} {'':>10}"
+        )
+        print(f"{label:>8}  {row['case']:<15} {row['dump_gbps']:>10.2f} {row['load_gbps']:>10.2f} {ratios}")
+    if "lookup_prefix_512_ms" in summary:
+        print(f"lookup_prefix of 512 keys (posix): {summary['lookup_prefix_512_ms']:.2f} ms")

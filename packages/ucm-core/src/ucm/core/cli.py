@@ -1,0 +1,146 @@
+"""The ``ucm`` command line: inspect, verify and trim a posix store; run the store benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from ucm.core.config import GIB, ConfigError
+from ucm.core.store.posix import BLOCKS_DIR, evict_lru, read_marker, scan_store, verify_block_file
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _require_store(path: str) -> str:
+    root = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(os.path.join(root, BLOCKS_DIR)):
+        raise SystemExit(f"ucm: {path!r} is not a UCM posix store (no {BLOCKS_DIR}/ directory)")
+    return root
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    root = _require_store(args.path)
+    scan = scan_store(root)
+    capacity = read_marker(root).get("capacity_bytes")
+    stats = {
+        "path": root,
+        "blocks": len(scan.blocks),
+        "bytes": scan.bytes,
+        "capacity_bytes": capacity,
+        "capacity_used": (scan.bytes / capacity) if isinstance(capacity, int) and capacity else None,
+        "foreign_files": len(scan.foreign),
+        "stale_temp_files_removed": scan.temps_removed,
+    }
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    print(f"store     {root}")
+    print(f"blocks    {stats['blocks']}")
+    print(f"bytes     {_human(scan.bytes)} ({scan.bytes})")
+    if stats["capacity_used"] is not None:
+        print(f"capacity  {_human(capacity)}, {100 * stats['capacity_used']:.1f}% used")  # type: ignore[arg-type]
+    else:
+        print("capacity  unlimited")
+    if scan.foreign:
+        print(f"foreign   {len(scan.foreign)} files that are not UCM blocks")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = _require_store(args.path)
+    scan = scan_store(root)
+    corrupt: list[tuple[str, str]] = []
+    for block in tqdm(scan.blocks, desc="verify", unit="block", disable=None, file=sys.stderr):
+        problem = verify_block_file(block.path)
+        if problem:
+            corrupt.append((block.path, problem))
+    for path, problem in corrupt:
+        print(f"CORRUPT {path}: {problem}")
+        if args.remove:
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                print(f"  cannot remove: {exc.strerror}")
+    for path in scan.foreign:
+        print(f"FOREIGN {path}: not a UCM block (ignored by the store)")
+    verdict = "FAILED" if corrupt else "OK"
+    removed = " (removed)" if args.remove and corrupt else ""
+    print(f"{verdict}: {len(scan.blocks)} blocks checked, {len(corrupt)} corrupt{removed}, "
+          f"{len(scan.foreign)} foreign files, {scan.temps_removed} stale temporary files removed")
+    return 1 if corrupt else 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    root = _require_store(args.path)
+    if not args.capacity_gb > 0:
+        raise SystemExit(f"ucm: --capacity-gb must be positive, got {args.capacity_gb}")
+    scan = scan_store(root)
+    target = int(args.capacity_gb * GIB)
+    before = scan.bytes
+    remaining, count = evict_lru(scan, target)
+    print(f"gc: {len(scan.blocks) - count} blocks removed, {_human(before)} -> {_human(remaining)} "
+          f"(capacity {_human(target)}), {scan.temps_removed} stale temporary files removed")
+    return 0
+
+
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    from ucm.core.bench import run_store_bench
+
+    return run_store_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ucm", description="UCM: KV-cache persistence for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    store = sub.add_parser("store", help="inspect and maintain a posix store directory")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    stats = store_sub.add_parser("stats", help="blocks, bytes and capacity use")
+    stats.add_argument("path")
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
+    stats.set_defaults(func=cmd_stats)
+    verify = store_sub.add_parser("verify", help="check every block; exit 1 if any is corrupt")
+    verify.add_argument("path")
+    verify.add_argument("--remove", action="store_true", help="delete the corrupt blocks")
+    verify.set_defaults(func=cmd_verify)
+    gc = store_sub.add_parser("gc", help="evict least recently used blocks down to a capacity")
+    gc.add_argument("path")
+    gc.add_argument("--capacity-gb", type=float, required=True, help="GiB to keep")
+    gc.set_defaults(func=cmd_gc)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bstore = bench_sub.add_parser("store", help="store throughput against raw I/O and memcpy")
+    bstore.add_argument("--path", help="directory to benchmark in (default: a temporary one)")
+    bstore.add_argument("--total-gb", type=float, default=1.0,
+                        help="GiB moved per store and block size (default 1)")
+    bstore.add_argument("--block-kib", type=int, nargs="+", default=[2048, 256],
+                        help="block sizes in KiB (default 2048 256)")
+    bstore.add_argument("--repeat", type=int, default=3, help="runs per case, best kept (default 3)")
+    bstore.add_argument("--json", action="store_true", help="end with one line of JSON")
+    bstore.set_defaults(func=cmd_bench_store)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"ucm: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Configuration: frozen attrs classes, validated on construction, built from dicts or YAML.
+
+Every setting is declared once, here, with its type, default, constraint and a one-line
+``doc``; the documentation's configuration reference is generated from these classes.  A
+dict with an unknown key, a value of the wrong type or out of range is refused with a
+``ConfigError`` naming the key (as a dotted path) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: ``key`` is the dotted path of the offending setting."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}" if key else problem)
+        self.key = key
+        self.problem = problem
+
+    def under(self, prefix: str) -> ConfigError:
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.problem)
+
+
+# --- validators: each raises ConfigError naming the attribute --------------------------------
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def positive_number(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
+        raise ConfigError(attribute.name, f"must be a positive number, got {value!r}")
+
+
+def optional_positive_number(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        positive_number(inst, attribute, value)
+
+
+def int_in_range(low: int, high: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ConfigError(
+                attribute.name, f"must be an integer in [{low}, {high}], got {value!r}"
+            )
+
+    return check
+
+
+def fraction(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not _is_number(value) or not 0 < value < 1:  # type: ignore[operator]
+        raise ConfigError(attribute.name, f"must be a number between 0 and 1, got {value!r}")
+
+
+def one_of(*choices: object) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(attribute.name, f"must be one of {allowed}, got {value!r}")
+
+    return check
+
+
+def boolean(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(attribute.name, f"must be true or false, got {value!r}")
+
+
+def non_empty_str(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(attribute.name, f"must be a non-empty string, got {value!r}")
+
+
+def instance_of(cls: type | tuple[type, ...]) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, cls):
+            names = cls.__name__ if isinstance(cls, type) else " or ".join(c.__name__ for c in cls)
+            raise ConfigError(attribute.name, f"must be a {names}, got {value!r}")
+
+    return check
+
+
+def setting(doc: str, **kwargs: Any) -> Any:
+    """An attrs field carrying its documentation (read by the docs generator)."""
+    metadata = dict(kwargs.pop("metadata", {}))
+    metadata["doc"] = doc
+    return attrs.field(metadata=metadata, **kwargs)
+
+
+# --- generic construction from plain data ---------------------------------------------------
+
+
+def from_dict(cls: type[T], data: object, where: str = "") -> T:
+    """Build ``cls`` from a mapping, refusing unknown keys; nested settings recurse.
+
+    A field whose metadata holds ``parse`` is built with ``parse(value, dotted_path)``.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(where, f"expected a mapping of settings, got {type(data).__name__}")
+    fields = attrs.fields_dict(cls)  # type: ignore[arg-type]
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        allowed = ", ".join(sorted(fields))
+        key = f"{where}.{unknown[0]}" if where else str(unknown[0])
+        raise ConfigError(key, f"unknown setting; allowed: {allowed}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        parse = fields[name].metadata.get("parse")
+        kwargs[name] = parse(value, f"{where}.{name}" if where else name) if parse else value
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise exc.under(where) if where else exc from None
+
+
+def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A YAML configuration file as a dict; a missing, unreadable or non-mapping file is refused."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("config_file", f"cannot read {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("config_file", f"{str(path)!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config_file", f"{str(path)!r} must hold a mapping of settings")
+    return data
+
+
+def with_config_file(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Resolve ``config_file``: the file's settings, overridden key by key by the others."""
+    merged = dict(data)
+    path = merged.pop("config_file", None)
+    if path is None:
+        return merged
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("config_file", f"must be a path to a YAML file, got {path!r}")
+    loaded = load_yaml(path)
+    if "config_file" in loaded:
+        raise ConfigError("config_file", f"{str(path)!r} may not name another config_file")
+    loaded.update(merged)
+    return loaded
+
+
+# --- stores -----------------------------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+def default_store_path() -> str:
+    """``$XDG_CACHE_HOME/ucm``, or ``~/.cache/ucm`` when that is unset."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ucm")
+
+
+def gib_to_bytes(gb: float | None) -> int | None:
+    return None if gb is None else int(gb * GIB)
+
+
+@attrs.frozen
+class PosixStoreConfig:
+    """A directory on a local disk or a shared mount (NFS, 3FS, ...): the embedded default."""
+
+    kind: str = setting("Store kind.", default="posix", validator=one_of("posix"))
+    path: str = setting(
+        "Directory of the store; created (mode 0700) if missing. Several processes and hosts "
+        "may share it.",
+        factory=default_store_path,
+        validator=non_empty_str,
+    )
+    capacity_gb: float | None = setting(
+        "Size limit in GiB (2^30 bytes); least recently used blocks are evicted beyond it. "
+        "null: no limit.",
+        default=None,
+        validator=optional_positive_number,
+    )
+    fsync: str = setting(
+        "When to force data to stable storage: 'never' (a crash may lose recent blocks, "
+        "never expose a torn one: every load verifies a checksum), 'data' (each block before "
+        "it is published), 'full' (each block and its directory entry).",
+        default="never",
+        validator=one_of("never", "data", "full"),
+    )
+    io_threads: int = setting(
+        "Threads doing file I/O (the GIL is released in reads and writes).",
+        default=4,
+        validator=int_in_range(1, 256),
+    )
+    o_direct: bool = setting(
+        "Bypass the page cache with O_DIRECT (through aligned bounce buffers).",
+        default=False,
+        validator=boolean,
+    )
+    evict_fraction: float = setting(
+        "Share of the capacity freed by one eviction pass, so that passes are rare.",
+        default=0.1,
+        validator=fraction,
+    )
+    stale_temp_seconds: float = setting(
+        "Age after which a temporary file left by a writer on another host is removed.",
+        default=3600.0,
+        validator=positive_number,
+    )
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return gib_to_bytes(self.capacity_gb)
+
+
+@attrs.frozen
+class DramStoreConfig:
+    """Host memory of this process, least recently used blocks evicted beyond the capacity."""
+
+    kind: str = setting("Store kind.", default="dram", validator=one_of("dram"))
+    capacity_gb: float = setting(
+        "Size limit in GiB (2^30 bytes).", default=4.0, validator=positive_number
+    )
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.capacity_gb * GIB)
+
+
+def _parse_dram(value: object, where: str) -> DramStoreConfig:
+    data = dict(value) if isinstance(value, Mapping) else value
+    if isinstance(data, dict):
+        data.setdefault("kind", "dram")
+    return from_dict(DramStoreConfig, data, where)
+
+
+def _parse_backing(value: object, where: str) -> PosixStoreConfig | DramStoreConfig:
+    config = parse_store_config(value, where)
+    if isinstance(config, TieredStoreConfig):
+        raise ConfigError(f"{where}.kind", "a tiered store cannot back another tiered store")
+    return config
+
+
+@attrs.frozen
+class TieredStoreConfig:
+    """A DRAM tier over another store: writes go to both, reads promote into DRAM."""
+
+    kind: str = setting("Store kind.", default="tiered", validator=one_of("tiered"))
+    dram: DramStoreConfig = setting(
+        "The DRAM tier (the settings of a dram store).",
+        factory=DramStoreConfig,
+        validator=instance_of(DramStoreConfig),
+        metadata={"parse": _parse_dram},
+    )
+    backing: PosixStoreConfig | DramStoreConfig = setting(
+        "The store under the DRAM tier (the settings of a posix store, with its kind).",
+        factory=PosixStoreConfig,
+        validator=instance_of((PosixStoreConfig, DramStoreConfig)),
+        metadata={"parse": _parse_backing},
+    )
+
+
+StoreConfig = PosixStoreConfig | DramStoreConfig | TieredStoreConfig
+STORE_KINDS: dict[str, type[PosixStoreConfig | DramStoreConfig | TieredStoreConfig]] = {
+    "posix": PosixStoreConfig,
+    "dram": DramStoreConfig,
+    "tiered": TieredStoreConfig,
+}
+
+
+def parse_store_config(data: object, where: str = "store") -> StoreConfig:
+    """The ``store`` dict: ``{"kind": "posix"|"dram"|"tiered", ...}`` (kind defaults to posix)."""
+    if data is None:
+        return PosixStoreConfig()
+    if isinstance(data, (PosixStoreConfig, DramStoreConfig, TieredStoreConfig)):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(where, f"expected a mapping of settings, got {type(data).__name__}")
+    kind = data.get("kind", "posix")
+    cls = STORE_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        allowed = ", ".join(sorted(STORE_KINDS))
+        raise ConfigError(f"{where}.kind", f"must be one of {allowed}, got {kind!r}")
+    return from_dict(cls, data, where)
+
+
+#: Every class documented in the configuration reference, in order.
+DOCUMENTED_CLASSES: list[tuple[str, type]] = [
+    ("store (kind: posix)", PosixStoreConfig),
+    ("store (kind: dram)", DramStoreConfig),
+    ("store (kind: tiered)", TieredStoreConfig),
+]

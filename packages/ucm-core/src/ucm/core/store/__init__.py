@@ -1,0 +1,45 @@
+"""Stores: where KV blocks live outside the accelerator."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ucm.core.config import (
+    DramStoreConfig,
+    PosixStoreConfig,
+    StoreConfig,
+    TieredStoreConfig,
+    parse_store_config,
+)
+from ucm.core.store.base import KeyResult, Status, Store, StoreUsage, Task
+from ucm.core.store.dram import DramStore
+from ucm.core.store.posix import PosixStore
+from ucm.core.store.tiered import TieredStore
+
+
+def create_store(config: StoreConfig | Mapping[str, Any] | None = None) -> Store:
+    """The store a configuration describes (``None``: the default posix store)."""
+    if config is None or isinstance(config, Mapping):
+        config = parse_store_config(config)
+    if isinstance(config, PosixStoreConfig):
+        return PosixStore(config)
+    if isinstance(config, DramStoreConfig):
+        return DramStore(config)
+    if isinstance(config, TieredStoreConfig):
+        backing = create_store(config.backing)
+        return TieredStore(DramStore(config.dram), backing)
+    raise TypeError(f"not a store configuration: {config!r}")
+
+
+__all__ = [
+    "DramStore",
+    "KeyResult",
+    "PosixStore",
+    "Status",
+    "Store",
+    "StoreUsage",
+    "Task",
+    "TieredStore",
+    "create_store",
+]

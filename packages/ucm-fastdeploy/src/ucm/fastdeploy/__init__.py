@@ -1,0 +1,1 @@
+"""UCM for FastDeploy (coming: the AttentionStore and KVCacheStorage backends; nothing is implemented yet)."""

@@ -1,0 +1,1 @@
+"""UCM for vLLM (coming: the UCMConnector KV connector; nothing is implemented yet)."""
