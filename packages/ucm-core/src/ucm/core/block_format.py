@@ -29,6 +29,7 @@ MAX_LAYOUT_BYTES = 1024
 
 _FIXED = struct.Struct("<4sHHI16sQQH")
 _CHECKSUM = struct.Struct("<Q")
+_PADDING = bytes(HEADER_BYTES)
 
 
 class BlockFormatError(ValueError):
@@ -87,6 +88,10 @@ def decode_header(
     (stored,) = _CHECKSUM.unpack_from(page, end)
     if xxhash.xxh3_64_intdigest(page[:end]) != stored:
         raise BlockFormatError("header checksum mismatch")
+    if page.nbytes >= HEADER_BYTES and page[end + _CHECKSUM.size : HEADER_BYTES] != _PADDING[
+        : HEADER_BYTES - end - _CHECKSUM.size
+    ]:
+        raise BlockFormatError("header padding is not zero")
     layout = bytes(page[_FIXED.size : end])
     if expect_key is not None and key != expect_key:
         raise BlockFormatError(f"header names key {key.hex()}, expected {expect_key.hex()}")

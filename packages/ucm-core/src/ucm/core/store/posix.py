@@ -254,6 +254,7 @@ class PosixStore(Store):
         self.root = os.path.abspath(os.path.expanduser(self.config.path))
         self._blocks_dir = os.path.join(self.root, BLOCKS_DIR)
         try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
             os.makedirs(self._blocks_dir, mode=0o700, exist_ok=True)
             _write_marker(self.root, self.config.capacity_bytes)
         except OSError as exc:
@@ -271,6 +272,7 @@ class PosixStore(Store):
         self._usage_bytes = 0
         self._usage_blocks = 0
         self._inflight_bytes = 0
+        self._published_before_scan: set[str] = set()
         self._errors = 0
         self._closed = False
         # The first scan (usage, stale temporary files) runs beside the engine's start-up;
@@ -287,14 +289,19 @@ class PosixStore(Store):
         try:
             scan = scan_store(self.root, stale_temp_seconds=self.config.stale_temp_seconds)
             with self._lock:
-                self._usage_bytes += scan.bytes
-                self._usage_blocks += len(scan.blocks)
+                early = self._published_before_scan
+                for block in scan.blocks:
+                    if block.name not in early:  # else already counted by its writer
+                        self._usage_bytes += block.size
+                        self._usage_blocks += 1
             if scan.temps_removed:
                 log.info("ucm posix store %s: removed %d stale temporary files", self.root, scan.temps_removed)
         except OSError as exc:
             log.warning("ucm posix store %s: initial scan failed: %s", self.root, exc)
         finally:
-            self._scanned.set()
+            with self._lock:
+                self._published_before_scan = set()
+                self._scanned.set()
 
     def _run(self, n: int, work: object) -> Task:
         """Run ``work(task, index)`` for every index on the I/O threads."""
@@ -356,10 +363,12 @@ class PosixStore(Store):
             self._usage_bytes = remaining
             self._usage_blocks = count
 
-    def _release(self, size: int, published: bool) -> None:
+    def _release(self, name: str, size: int, published: bool) -> None:
         with self._lock:
             self._inflight_bytes -= size
             if published:
+                if not self._scanned.is_set():
+                    self._published_before_scan.add(name)
                 self._usage_bytes += size
                 self._usage_blocks += 1
 
@@ -426,7 +435,7 @@ class PosixStore(Store):
                     pass
             return KeyResult(Status.ERROR, f"cannot write block {key_hex}: {exc.strerror or exc}")
         finally:
-            self._release(size, published)
+            self._release(key_hex, size, published)
 
     # -- load --
 

@@ -1,0 +1,139 @@
+import os
+
+import pytest
+
+from ucm.core.config import (
+    ConfigError,
+    DramStoreConfig,
+    PosixStoreConfig,
+    TieredStoreConfig,
+    default_store_path,
+    load_yaml,
+    parse_store_config,
+    with_config_file,
+)
+from ucm.core.store import DramStore, PosixStore, TieredStore, create_store
+
+
+def test_default_is_posix_under_xdg_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = parse_store_config(None)
+    assert isinstance(config, PosixStoreConfig)
+    assert config.path == os.path.join(str(tmp_path), "ucm")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_store_path() == os.path.join(os.path.expanduser("~"), ".cache", "ucm")
+
+
+def test_each_kind_builds_its_store(tmp_path):
+    posix = create_store({"kind": "posix", "path": str(tmp_path / "p"), "capacity_gb": 1})
+    dram = create_store({"kind": "dram", "capacity_gb": 0.5})
+    tiered = create_store(
+        {"kind": "tiered", "dram": {"capacity_gb": 0.1}, "backing": {"path": str(tmp_path / "t")}}
+    )
+    assert isinstance(posix, PosixStore) and posix.usage().capacity_bytes == 1 << 30
+    assert isinstance(dram, DramStore) and dram.usage().capacity_bytes == (1 << 30) // 2
+    assert isinstance(tiered, TieredStore)
+    for store in (posix, dram, tiered):
+        store.close()
+
+
+def test_kind_defaults_to_posix(tmp_path):
+    config = parse_store_config({"path": str(tmp_path)})
+    assert isinstance(config, PosixStoreConfig) and config.path == str(tmp_path)
+
+
+def test_tiered_nested(tmp_path):
+    config = parse_store_config(
+        {"kind": "tiered", "dram": {"capacity_gb": 2}, "backing": {"kind": "posix", "path": "/x"}}
+    )
+    assert isinstance(config, TieredStoreConfig)
+    assert config.dram == DramStoreConfig(capacity_gb=2)
+    assert config.backing == PosixStoreConfig(path="/x")
+
+
+INVALID = [
+    ({"kind": "nfs"}, "store.kind", "dram, posix, tiered"),
+    ({"kind": 3}, "store.kind", "must be one of"),
+    ({"kind": None}, "store.kind", "must be one of"),
+    ({"kind": "posix", "pathh": "/x"}, "store.pathh", "allowed: capacity_gb"),
+    ({"kind": "posix", "path": ""}, "store.path", "non-empty"),
+    ({"kind": "posix", "path": 5}, "store.path", "non-empty string"),
+    ({"kind": "posix", "capacity_gb": 0}, "store.capacity_gb", "positive number"),
+    ({"kind": "posix", "capacity_gb": -1}, "store.capacity_gb", "positive number"),
+    ({"kind": "posix", "capacity_gb": "10"}, "store.capacity_gb", "positive number"),
+    ({"kind": "posix", "capacity_gb": True}, "store.capacity_gb", "positive number"),
+    ({"kind": "posix", "capacity_gb": float("nan")}, "store.capacity_gb", "positive number"),
+    ({"kind": "posix", "capacity_gb": float("inf")}, "store.capacity_gb", "positive number"),
+    ({"kind": "posix", "fsync": "sometimes"}, "store.fsync", "'never', 'data', 'full'"),
+    ({"kind": "posix", "fsync": True}, "store.fsync", "must be one of"),
+    ({"kind": "posix", "io_threads": 0}, "store.io_threads", r"\[1, 256\]"),
+    ({"kind": "posix", "io_threads": 1000}, "store.io_threads", "integer"),
+    ({"kind": "posix", "io_threads": 2.0}, "store.io_threads", "integer"),
+    ({"kind": "posix", "o_direct": "yes"}, "store.o_direct", "true or false"),
+    ({"kind": "posix", "o_direct": 1}, "store.o_direct", "true or false"),
+    ({"kind": "posix", "evict_fraction": 0}, "store.evict_fraction", "between 0 and 1"),
+    ({"kind": "posix", "evict_fraction": 1.5}, "store.evict_fraction", "between 0 and 1"),
+    ({"kind": "posix", "stale_temp_seconds": -5}, "store.stale_temp_seconds", "positive"),
+    ({"kind": "dram"}, None, None),  # valid: defaults
+    ({"kind": "dram", "capacity_gb": None}, "store.capacity_gb", "positive number"),
+    ({"kind": "dram", "path": "/x"}, "store.path", "unknown setting; allowed: capacity_gb, kind"),
+    ({"kind": "tiered", "dram": 4}, "store.dram", "mapping"),
+    ({"kind": "tiered", "dram": {"capacity_gb": -2}}, "store.dram.capacity_gb", "positive"),
+    ({"kind": "tiered", "dram": {"kind": "posix"}}, "store.dram.kind", "'dram'"),
+    ({"kind": "tiered", "backing": {"kind": "tiered"}}, "store.backing.kind", "tiered"),
+    ({"kind": "tiered", "backing": {"kind": "posix", "fsync": "x"}}, "store.backing.fsync", "never"),
+    ({"kind": "tiered", "bakcing": {}}, "store.bakcing", "allowed: backing, dram, kind"),
+    (["posix"], "store", "mapping"),
+    ("posix", "store", "mapping"),
+]
+
+
+@pytest.mark.parametrize("data, key, message", INVALID)
+def test_invalid_store_settings_are_refused_by_name(data, key, message):
+    if key is None:
+        parse_store_config(data)
+        return
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_store_config(data)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}:")
+
+
+def test_direct_construction_validates_too():
+    with pytest.raises(ConfigError, match="capacity_gb"):
+        PosixStoreConfig(capacity_gb=-3)
+    with pytest.raises(ConfigError, match="dram"):
+        TieredStoreConfig(dram="big")  # type: ignore[arg-type]
+
+
+def test_yaml_file(tmp_path):
+    f = tmp_path / "ucm.yaml"
+    f.write_text("store:\n  kind: posix\n  path: /data/ucm\n  capacity_gb: 100\nblock_tokens: 256\n")
+    merged = with_config_file({"config_file": str(f), "block_tokens": 128})
+    assert merged["block_tokens"] == 128  # keys beside config_file override the file
+    assert parse_store_config(merged["store"]) == PosixStoreConfig(path="/data/ucm", capacity_gb=100)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("store: [unclosed", "not valid YAML"), ("- a\n- b\n", "mapping"), ("config_file: x.yaml\n", "another")],
+)
+def test_bad_yaml_files(tmp_path, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        with_config_file({"config_file": str(f)})
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_yaml(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="config_file"):
+        with_config_file({"config_file": 42})
+
+
+def test_unusable_store_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="cannot use .* as a UCM store"):
+        PosixStore(PosixStoreConfig(path=str(blocker / "sub")))

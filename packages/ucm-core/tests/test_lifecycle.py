@@ -1,0 +1,119 @@
+import threading
+
+from ucm.core.lifecycle import DumpTracker
+from ucm.core.store.base import OK, KeyResult, Status, Task
+
+
+def pending_task(n=2):
+    return Task(n)
+
+
+def complete(task, status=Status.OK):
+    for i in range(len(task)):
+        task.set_result(i, KeyResult(status, "disk full" if status is not Status.OK else ""))
+
+
+def test_finished_request_with_dumps_in_flight_is_held_until_done():
+    t = DumpTracker()
+    task = pending_task()
+    t.submit("a", task)
+    assert t.finish("a") is True  # keep its blocks
+    assert t.pop_finished() == set()
+    complete(task)
+    assert t.pop_finished() == {"a"}
+    assert len(t) == 0 and t.counts.ok == 2
+
+
+def test_finished_request_without_pending_dumps_is_released_at_once():
+    t = DumpTracker()
+    t.submit("a", Task.completed([OK]))
+    assert t.finish("a") is False
+    assert t.finish("never-dumped") is False
+    assert len(t) == 0
+
+
+def test_failures_are_counted_and_released():
+    t = DumpTracker()
+    task = pending_task(3)
+    t.submit("a", task)
+    t.finish("a")
+    complete(task, Status.ERROR)
+    assert t.pop_finished() == {"a"}
+    assert t.counts.failed == 3 and len(t) == 0
+
+
+def test_reap_drops_completed_tasks_of_running_requests():
+    t = DumpTracker()
+    done, running = Task.completed([OK]), pending_task()
+    t.submit("a", done)
+    t.submit("a", running)
+    t.reap()
+    assert t.pending("a") == 1
+
+
+def test_flush_waits_only_the_preempted_requests():
+    t = DumpTracker()
+    slow, other = pending_task(1), pending_task(1)
+    t.submit("preempted", slow)
+    t.submit("running", other)
+    threading.Timer(0.05, complete, args=(slow,)).start()
+    t.flush(["preempted"])
+    assert slow.done() and not other.done()
+    assert t.pending("preempted") == 0 and t.pending("running") == 1
+
+
+def test_flush_timeout_cancels():
+    t = DumpTracker()
+    stuck = pending_task(1)
+    t.submit("p", stuck)
+    t.flush(["p"], timeout=0.01)
+    assert stuck.cancelled
+
+
+def test_pop_finished_can_block():
+    t = DumpTracker()
+    task = pending_task(1)
+    t.submit("a", task)
+    t.finish("a")
+    threading.Timer(0.05, complete, args=(task,)).start()
+    assert t.pop_finished(timeout=None) == {"a"}
+
+
+def test_discard_forgets_and_cancels():
+    t = DumpTracker()
+    task = pending_task()
+    t.submit("a", task)
+    t.finish("a")
+    t.discard("a")
+    assert len(t) == 0 and task.cancelled
+
+
+def test_100k_requests_leave_no_state():
+    t = DumpTracker()
+    held = []
+    for i in range(100_000):
+        task = pending_task(1)
+        t.submit(i, task)
+        t.submit(i, Task.completed([OK]))
+        if i % 3 == 0:
+            complete(task)
+            t.finish(i)
+        elif i % 3 == 1:
+            t.finish(i)  # held: dumps in flight
+            held.append((i, task))
+        else:
+            complete(task, Status.ERROR)
+            t.flush([i])  # preempted, then aborted
+            t.discard(i)
+        if i % 1000 == 999:
+            for _, task in held:
+                complete(task)
+            held.clear()
+            t.pop_finished()
+        t.reap()
+    for _, task in held:
+        complete(task)
+    t.pop_finished()
+    assert len(t) == 0
+    assert t._tasks == {} and t._finished == set()
+    assert t.counts.ok + t.counts.failed == 200_000

@@ -1,0 +1,175 @@
+import os
+import stat
+
+import pytest
+import xxhash
+
+from ucm.core.config import PosixStoreConfig
+from ucm.core.store import PosixStore, Status
+from ucm.core.store.posix import scan_store
+
+
+def key(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
+
+
+def payload(i: int, size: int) -> bytes:
+    return (key(i) * (size // 16 + 1))[:size]
+
+
+@pytest.fixture(params=[False, True], ids=["pagecache", "o_direct"])
+def store(request, tmp_path):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "store"), o_direct=request.param))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 10000, 1 << 20])
+def test_round_trip(store, size):
+    keys = [key(i) for i in range(5)]
+    data = [payload(i, size) for i in range(5)]
+    assert all(r.ok for r in store.wait(store.dump(keys, data, b"L")))
+    out = [bytearray(size) for _ in keys]
+    assert all(r.ok for r in store.wait(store.load(keys, out, b"L")))
+    assert [bytes(o) for o in out] == data
+    assert store.lookup(keys + [key(99)]) == [True] * 5 + [False]
+    assert store.lookup_prefix([*keys[:3], key(99), keys[4]]) == 3
+
+
+def test_miss_and_batch_results_are_per_key(store):
+    store.wait(store.dump([key(1)], [payload(1, 100)]))
+    out = [bytearray(100), bytearray(100)]
+    results = store.wait(store.load([key(1), key(2)], out))
+    assert [r.status for r in results] == [Status.OK, Status.MISS]
+
+
+def test_wrong_buffer_size_is_an_error_not_corruption(store):
+    store.wait(store.dump([key(1)], [payload(1, 100)]))
+    (result,) = store.wait(store.load([key(1)], [bytearray(99)]))
+    assert result.status is Status.ERROR and "99 bytes" in result.detail
+    assert store.lookup([key(1)]) == [True]  # the block is fine and stays
+
+
+def test_layout_mismatch_is_never_handed_back(store):
+    store.wait(store.dump([key(1)], [payload(1, 100)], b"bf16"))
+    (result,) = store.wait(store.load([key(1)], [bytearray(100)], b"fp8"))
+    assert result.status is Status.CORRUPT
+
+
+def test_dump_of_stored_key_keeps_the_file(store):
+    store.wait(store.dump([key(1)], [payload(1, 100)]))
+    path = store._path(key(1).hex())
+    inode = os.stat(path).st_ino
+    assert store.wait(store.dump([key(1)], [payload(1, 100)]))[0].ok
+    assert os.stat(path).st_ino == inode
+
+
+def test_permissions(tmp_path):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), fsync="full"))
+    s.wait(s.dump([key(1)], [b"x" * 10]))
+    path = s._path(key(1).hex())
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "p").st_mode) == 0o700
+    s.close()
+
+
+def test_bad_input_is_refused_before_any_io(store):
+    with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+        store.dump([key(1), key(2)], [b"x"])
+    with pytest.raises(ValueError, match="keys\\[0\\]"):
+        store.dump([b"short"], [b"x"])
+    with pytest.raises(ValueError, match="read-only"):
+        store.load([key(1)], [b"immutable"])
+    with pytest.raises(TypeError, match="buffer protocol"):
+        store.dump([key(1)], [object()])
+    assert scan_store(store.root).blocks == []
+
+
+def test_remove_and_usage(tmp_path):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    s.wait(s.dump([key(i) for i in range(4)], [payload(i, 1000) for i in range(4)]))
+    assert s.usage().blocks == 4 and s.usage().bytes == 4 * (4096 + 1000)
+    assert s.remove([key(0), key(1), key(9)]) == 2
+    assert s.usage().blocks == 2 and s.lookup([key(0), key(2)]) == [False, True]
+    s.close()
+
+
+def test_usage_counts_blocks_already_there(tmp_path):
+    path = str(tmp_path / "p")
+    with PosixStore(PosixStoreConfig(path=path)) as s:
+        s.wait(s.dump([key(i) for i in range(3)], [payload(i, 10) for i in range(3)]))
+    with PosixStore(PosixStoreConfig(path=path)) as s:
+        assert s.usage().blocks == 3
+
+
+def test_cancelled_keys_are_reported(tmp_path):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), io_threads=1))
+    task = s.dump([key(i) for i in range(200)], [payload(i, 4096) for i in range(200)])
+    task.cancel()
+    results = s.wait(task)
+    assert {r.status for r in results} <= {Status.OK, Status.CANCELLED}
+    done = sum(r.ok for r in results)
+    assert len(scan_store(s.root).blocks) == done
+    s.close()
+
+
+def test_write_failure_leaves_nothing_visible(tmp_path, monkeypatch):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    real = os.pwritev
+
+    def full_disk(fd, buffers, offset):
+        real(fd, [memoryview(buffers[0])[:100]], offset)  # a partial write, then ENOSPC
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    (result,) = s.wait(s.dump([key(1)], [payload(1, 5000)]))
+    assert result.status is Status.ERROR and "No space left" in result.detail
+    monkeypatch.setattr(os, "pwritev", real)
+    assert s.lookup([key(1)]) == [False]
+    leftovers = [n for _, _, files in os.walk(s.root) for n in files if n.endswith(".tmp")]
+    assert leftovers == []
+    assert s.usage().bytes == 0
+    assert s.wait(s.dump([key(2)], [payload(2, 5000)]))[0].ok  # and it goes on
+    s.close()
+
+
+def test_capacity_holds_over_10k_dumps_and_keeps_recent_reads(tmp_path):
+    size = 1000
+    file_size = 4096 + size
+    capacity = 300 * file_size
+    s = PosixStore(
+        PosixStoreConfig(path=str(tmp_path / "p"), capacity_gb=capacity / (1 << 30), io_threads=4)
+    )
+    hot = [key(i) for i in range(5)]
+    s.wait(s.dump(hot, [payload(i, size) for i in range(5)]))
+    peak = 0
+    for start in range(5, 10_005, 100):
+        keys = [key(i) for i in range(start, start + 100)]
+        results = s.wait(s.dump(keys, [payload(i, size) for i in range(start, start + 100)]))
+        assert all(r.ok for r in results)
+        on_disk = scan_store(s.root).bytes
+        peak = max(peak, on_disk)
+        # reading the hot blocks marks them recently used
+        out = [bytearray(size) for _ in hot]
+        assert all(r.ok for r in s.wait(s.load(hot, out)))
+    in_flight = s.config.io_threads * file_size
+    assert peak <= capacity + in_flight
+    assert s.lookup(hot) == [True] * 5
+    assert s.lookup([key(5), key(6)]) == [False, False]  # the oldest unread ones went
+    assert s.lookup([key(10_004)]) == [True]
+    s.close()
+
+
+def test_block_larger_than_capacity(tmp_path):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), capacity_gb=1e-6))
+    (result,) = s.wait(s.dump([key(1)], [bytes(5000)]))
+    assert result.status is Status.ERROR and "larger than the capacity" in result.detail
+    s.close()
+
+
+def test_closed_store_refuses_work(tmp_path):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.dump([key(1)], [b"x"])
