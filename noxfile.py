@@ -33,7 +33,12 @@ def tests(session: nox.Session) -> None:
     _install_all(session)
     dirs = [d for d in TEST_DIRS if _has_tests(d)]
     session.run(
-        "pytest", "--import-mode=importlib", "-p", "no:cacheprovider", *dirs, *session.posargs,
+        "pytest",
+        "--import-mode=importlib",
+        "-p",
+        "no:cacheprovider",
+        *dirs,
+        *session.posargs,
         env={"TRITON_INTERPRET": "1"},
     )
 
@@ -55,8 +60,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy on ucm.core (strict about what the adapters build on)."""
-    session.install("mypy>=1.10", "types-PyYAML", "-e", CORE)
-    session.run("mypy", "--config-file", f"{CORE}/pyproject.toml", f"{CORE}/src/ucm/core")
+    session.install("mypy>=1.10", "types-PyYAML", "types-tqdm", "-e", CORE)
+    session.run("mypy", "--config-file", f"{CORE}/pyproject.toml", "-p", "ucm.core")
 
 
 @nox.session(python=PYTHON)

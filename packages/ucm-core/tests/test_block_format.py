@@ -1,5 +1,4 @@
 import pytest
-
 from ucm.core.block_format import (
     HEADER_BYTES,
     BlockFormatError,

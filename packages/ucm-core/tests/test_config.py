@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from ucm.core.config import (
     ConfigError,
     DramStoreConfig,
@@ -81,7 +80,11 @@ INVALID = [
     ({"kind": "tiered", "dram": {"capacity_gb": -2}}, "store.dram.capacity_gb", "positive"),
     ({"kind": "tiered", "dram": {"kind": "posix"}}, "store.dram.kind", "'dram'"),
     ({"kind": "tiered", "backing": {"kind": "tiered"}}, "store.backing.kind", "tiered"),
-    ({"kind": "tiered", "backing": {"kind": "posix", "fsync": "x"}}, "store.backing.fsync", "never"),
+    (
+        {"kind": "tiered", "backing": {"kind": "posix", "fsync": "x"}},
+        "store.backing.fsync",
+        "never",
+    ),
     ({"kind": "tiered", "bakcing": {}}, "store.bakcing", "allowed: backing, dram, kind"),
     (["posix"], "store", "mapping"),
     ("posix", "store", "mapping"),
@@ -108,15 +111,23 @@ def test_direct_construction_validates_too():
 
 def test_yaml_file(tmp_path):
     f = tmp_path / "ucm.yaml"
-    f.write_text("store:\n  kind: posix\n  path: /data/ucm\n  capacity_gb: 100\nblock_tokens: 256\n")
+    f.write_text(
+        "store:\n  kind: posix\n  path: /data/ucm\n  capacity_gb: 100\nblock_tokens: 256\n"
+    )
     merged = with_config_file({"config_file": str(f), "block_tokens": 128})
     assert merged["block_tokens"] == 128  # keys beside config_file override the file
-    assert parse_store_config(merged["store"]) == PosixStoreConfig(path="/data/ucm", capacity_gb=100)
+    assert parse_store_config(merged["store"]) == PosixStoreConfig(
+        path="/data/ucm", capacity_gb=100
+    )
 
 
 @pytest.mark.parametrize(
     "text, message",
-    [("store: [unclosed", "not valid YAML"), ("- a\n- b\n", "mapping"), ("config_file: x.yaml\n", "another")],
+    [
+        ("store: [unclosed", "not valid YAML"),
+        ("- a\n- b\n", "mapping"),
+        ("config_file: x.yaml\n", "another"),
+    ],
 )
 def test_bad_yaml_files(tmp_path, text, message):
     f = tmp_path / "bad.yaml"

@@ -1,6 +1,5 @@
 import pytest
 import xxhash
-
 from ucm.core.config import DramStoreConfig, PosixStoreConfig
 from ucm.core.store import DramStore, PosixStore, Status, TieredStore
 
@@ -24,9 +23,27 @@ def test_dram_round_trip_and_lru():
 def test_dram_reuses_evicted_buffers():
     s = DramStore(DramStoreConfig(capacity_gb=2000 / GIB))
     s.wait(s.dump([key(1), key(2)], [b"a" * 1000, b"b" * 1000]))
-    buf = s._blocks[key(1)][1]
+    address = id(s._blocks[key(1)][1].obj), s._blocks[key(1)][1]
     s.wait(s.dump([key(3)], [b"c" * 1000]))
-    assert s._blocks[key(3)][1] is buf and bytes(buf) == b"c" * 1000
+    reused = s._blocks[key(3)][1]
+    assert reused.obj is address[1].obj and bytes(reused) == b"c" * 1000
+    assert len(s._arena._slabs) == 1
+
+
+@pytest.mark.parametrize("preallocate", [False, True])
+def test_dram_mixed_sizes_under_pressure(preallocate):
+    from ucm.core.store.dram import SLAB_BYTES
+
+    cap = 2 * SLAB_BYTES
+    s = DramStore(DramStoreConfig(capacity_gb=cap / GIB, preallocate=preallocate))
+    sizes = [SLAB_BYTES // 3, SLAB_BYTES // 7, 12345, SLAB_BYTES // 2]
+    for i in range(60):
+        size = sizes[i % len(sizes)]
+        assert s.wait(s.dump([key(i)], [bytes([i]) * size]))[0].ok
+        assert s.usage().bytes <= cap
+        out = bytearray(size)
+        assert s.wait(s.load([key(i)], [out]))[0].ok and out == bytes([i]) * size
+    assert s._arena._mapped <= cap + SLAB_BYTES
 
 
 def test_dram_errors():
@@ -37,6 +54,13 @@ def test_dram_errors():
     assert s.wait(s.load([key(2)], [bytearray(49)], b"A"))[0].status is Status.ERROR
     assert s.wait(s.load([key(3)], [bytearray(50)], b"A"))[0].status is Status.MISS
     assert s.remove([key(2), key(3)]) == 1 and s.usage().blocks == 0
+
+
+def test_dram_bad_config():
+    from ucm.core.config import ConfigError, parse_store_config
+
+    with pytest.raises(ConfigError, match="store.preallocate"):
+        parse_store_config({"kind": "dram", "preallocate": "yes"})
 
 
 @pytest.fixture

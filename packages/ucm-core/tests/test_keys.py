@@ -1,7 +1,6 @@
 import time
 
 import pytest
-
 from ucm.core.keys import KEY_BYTES, Namespace, block_keys, token_bytes
 
 NS_HEX = "4e7c118f7a53a705ebd1f70c8dc7b246"

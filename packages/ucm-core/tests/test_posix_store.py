@@ -3,7 +3,6 @@ import stat
 
 import pytest
 import xxhash
-
 from ucm.core.config import PosixStoreConfig
 from ucm.core.store import PosixStore, Status
 from ucm.core.store.posix import scan_store

@@ -3,7 +3,6 @@ import logging
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from ucm.core.config import ConfigError
 from ucm.core.slicing import (
     SliceWritePolicy,
@@ -91,7 +90,9 @@ def test_call_timeout_is_the_default_total():
         clock.now += 1
         return e - s
 
-    report = write_sliced(SliceWritePolicy(slice_blocks=1), 0, 10, write, call_timeout_s=3, clock=clock)
+    report = write_sliced(
+        SliceWritePolicy(slice_blocks=1), 0, 10, write, call_timeout_s=3, clock=clock
+    )
     assert report.written == 3 and "total timeout" in report.stopped
 
 
@@ -103,12 +104,17 @@ def test_a_raising_store_is_a_stop_not_a_crash():
     assert report.written == 0 and "store gone" in report.stopped
 
 
-ENV = {"slice_blocks": "AS_WRITE_SLICE_BLOCK_NUM", "slice_timeout_s": "AS_WRITE_SLICE_TIMEOUT",
-       "total_timeout_s": "AS_WRITE_TOTAL_TIMEOUT"}
+ENV = {
+    "slice_blocks": "AS_WRITE_SLICE_BLOCK_NUM",
+    "slice_timeout_s": "AS_WRITE_SLICE_TIMEOUT",
+    "total_timeout_s": "AS_WRITE_TOTAL_TIMEOUT",
+}
 
 
 def test_env_overlay():
-    policy = policy_from_env({"AS_WRITE_SLICE_BLOCK_NUM": " 64 ", "AS_WRITE_TOTAL_TIMEOUT": "2.5"}, ENV)
+    policy = policy_from_env(
+        {"AS_WRITE_SLICE_BLOCK_NUM": " 64 ", "AS_WRITE_TOTAL_TIMEOUT": "2.5"}, ENV
+    )
     assert policy == SliceWritePolicy(slice_blocks=64, total_timeout_s=2.5)
 
 
@@ -124,7 +130,9 @@ def test_fractional_block_count_refused():
         parse_positive("AS_WRITE_SLICE_BLOCK_NUM", "2.5", int)
 
 
-@pytest.mark.parametrize("field, value", [("slice_blocks", 0), ("slice_timeout_s", -1), ("total_timeout_s", 0)])
+@pytest.mark.parametrize(
+    "field, value", [("slice_blocks", 0), ("slice_timeout_s", -1), ("total_timeout_s", 0)]
+)
 def test_bad_policy_fields(field, value):
     with pytest.raises(ConfigError, match=field):
         SliceWritePolicy(**{field: value})

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 
 from tqdm import tqdm
-
 from ucm.core.config import GIB, DramStoreConfig, PosixStoreConfig
 from ucm.core.store import DramStore, PosixStore, Store
 
@@ -125,7 +124,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
             os.makedirs(raw_dir, exist_ok=True)
             posix = PosixStore(PosixStoreConfig(path=os.path.join(root, "posix")))
             direct = PosixStore(PosixStoreConfig(path=os.path.join(root, "direct"), o_direct=True))
-            dram = DramStore(DramStoreConfig(capacity_gb=2 * n * size / GIB))
+            dram = DramStore(DramStoreConfig(capacity_gb=2 * n * size / GIB, preallocate=True))
             pool: list = []
             cases = [
                 ("raw file", lambda: _raw_file(raw_dir, srcs, dsts, n, False), None),
@@ -147,8 +146,11 @@ def run_store_bench(args: argparse.Namespace) -> int:
                 measured[name] = best
                 gb = n * size / 1e9
                 row: dict[str, object] = {
-                    "block_bytes": size, "case": name, "blocks": n,
-                    "dump_gbps": gb / best[0], "load_gbps": gb / best[1],
+                    "block_bytes": size,
+                    "case": name,
+                    "blocks": n,
+                    "dump_gbps": gb / best[0],
+                    "load_gbps": gb / best[1],
                 }
                 if baseline:
                     base = measured[baseline]
@@ -171,15 +173,21 @@ def run_store_bench(args: argparse.Namespace) -> int:
 
 
 def _print(rows: list[dict[str, object]], summary: dict[str, object]) -> None:
-    print(f"{'block':>8}  {'case':<15} {'write GB/s':>10} {'read GB/s':>10} "
-          f"{'write ratio':>11} {'read ratio':>10}  baseline")
+    print(
+        f"{'block':>8}  {'case':<15} {'write GB/s':>10} {'read GB/s':>10} "
+        f"{'write ratio':>11} {'read ratio':>10}  baseline"
+    )
     for row in rows:
         size = int(row["block_bytes"])  # type: ignore[call-overload]
         label = f"{size >> 10} KiB" if size < (1 << 20) else f"{size >> 20} MiB"
         ratios = (
             f"{row['dump_ratio']:>11.2f} {row['load_ratio']:>10.2f}  {row['baseline']}"
-            if "baseline" in row else f"{'':>11} {'':>10}"
+            if "baseline" in row
+            else f"{'':>11} {'':>10}"
         )
-        print(f"{label:>8}  {row['case']:<15} {row['dump_gbps']:>10.2f} {row['load_gbps']:>10.2f} {ratios}")
+        print(
+            f"{label:>8}  {row['case']:<15} {row['dump_gbps']:>10.2f} "
+            f"{row['load_gbps']:>10.2f} {ratios}"
+        )
     if "lookup_prefix_512_ms" in summary:
         print(f"lookup_prefix of 512 keys (posix): {summary['lookup_prefix_512_ms']:.2f} ms")

@@ -19,7 +19,6 @@ import struct
 
 import attrs
 import xxhash
-
 from ucm.core.keys import KEY_BYTES
 
 MAGIC = b"UCMB"
@@ -49,16 +48,28 @@ def payload_checksum(payload: memoryview | bytes | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(key: bytes, payload: memoryview | bytes | bytearray, layout: bytes = b"") -> bytes:
+def encode_header(
+    key: bytes, payload: memoryview | bytes | bytearray, layout: bytes = b""
+) -> bytes:
     """The header page for ``payload`` stored under ``key``."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
     if len(layout) > MAX_LAYOUT_BYTES:
         raise ValueError(f"layout descriptor is {len(layout)} bytes, at most {MAX_LAYOUT_BYTES}")
     nbytes = memoryview(payload).nbytes
-    head = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, key, nbytes, payload_checksum(payload), len(layout)
-    ) + layout
+    head = (
+        _FIXED.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            0,
+            key,
+            nbytes,
+            payload_checksum(payload),
+            len(layout),
+        )
+        + layout
+    )
     head += _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
     return head + bytes(HEADER_BYTES - len(head))
 
@@ -88,9 +99,11 @@ def decode_header(
     (stored,) = _CHECKSUM.unpack_from(page, end)
     if xxhash.xxh3_64_intdigest(page[:end]) != stored:
         raise BlockFormatError("header checksum mismatch")
-    if page.nbytes >= HEADER_BYTES and page[end + _CHECKSUM.size : HEADER_BYTES] != _PADDING[
-        : HEADER_BYTES - end - _CHECKSUM.size
-    ]:
+    if (
+        page.nbytes >= HEADER_BYTES
+        and page[end + _CHECKSUM.size : HEADER_BYTES]
+        != _PADDING[: HEADER_BYTES - end - _CHECKSUM.size]
+    ):
         raise BlockFormatError("header padding is not zero")
     layout = bytes(page[_FIXED.size : end])
     if expect_key is not None and key != expect_key:

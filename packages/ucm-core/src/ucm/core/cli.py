@@ -9,7 +9,6 @@ import sys
 from collections.abc import Sequence
 
 from tqdm import tqdm
-
 from ucm.core.config import GIB, ConfigError
 from ucm.core.store.posix import BLOCKS_DIR, evict_lru, read_marker, scan_store, verify_block_file
 
@@ -32,13 +31,15 @@ def _require_store(path: str) -> str:
 def cmd_stats(args: argparse.Namespace) -> int:
     root = _require_store(args.path)
     scan = scan_store(root)
-    capacity = read_marker(root).get("capacity_bytes")
+    marked = read_marker(root).get("capacity_bytes")
+    capacity = marked if isinstance(marked, int) and marked > 0 else None
+    used = scan.bytes / capacity if capacity else None
     stats = {
         "path": root,
         "blocks": len(scan.blocks),
         "bytes": scan.bytes,
         "capacity_bytes": capacity,
-        "capacity_used": (scan.bytes / capacity) if isinstance(capacity, int) and capacity else None,
+        "capacity_used": used,
         "foreign_files": len(scan.foreign),
         "stale_temp_files_removed": scan.temps_removed,
     }
@@ -48,8 +49,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"store     {root}")
     print(f"blocks    {stats['blocks']}")
     print(f"bytes     {_human(scan.bytes)} ({scan.bytes})")
-    if stats["capacity_used"] is not None:
-        print(f"capacity  {_human(capacity)}, {100 * stats['capacity_used']:.1f}% used")  # type: ignore[arg-type]
+    if capacity and used is not None:
+        print(f"capacity  {_human(capacity)}, {100 * used:.1f}% used")
     else:
         print("capacity  unlimited")
     if scan.foreign:
@@ -76,8 +77,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FOREIGN {path}: not a UCM block (ignored by the store)")
     verdict = "FAILED" if corrupt else "OK"
     removed = " (removed)" if args.remove and corrupt else ""
-    print(f"{verdict}: {len(scan.blocks)} blocks checked, {len(corrupt)} corrupt{removed}, "
-          f"{len(scan.foreign)} foreign files, {scan.temps_removed} stale temporary files removed")
+    print(
+        f"{verdict}: {len(scan.blocks)} blocks checked, {len(corrupt)} corrupt{removed}, "
+        f"{len(scan.foreign)} foreign files, {scan.temps_removed} stale temporary files removed"
+    )
     return 1 if corrupt else 0
 
 
@@ -89,8 +92,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     target = int(args.capacity_gb * GIB)
     before = scan.bytes
     remaining, count = evict_lru(scan, target)
-    print(f"gc: {len(scan.blocks) - count} blocks removed, {_human(before)} -> {_human(remaining)} "
-          f"(capacity {_human(target)}), {scan.temps_removed} stale temporary files removed")
+    print(
+        f"gc: {len(scan.blocks) - count} blocks removed, {_human(before)} -> {_human(remaining)} "
+        f"(capacity {_human(target)}), {scan.temps_removed} stale temporary files removed"
+    )
     return 0
 
 
@@ -101,7 +106,9 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ucm", description="UCM: KV-cache persistence for LLM inference")
+    parser = argparse.ArgumentParser(
+        prog="ucm", description="UCM: KV-cache persistence for LLM inference"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     store = sub.add_parser("store", help="inspect and maintain a posix store directory")
@@ -123,11 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bstore = bench_sub.add_parser("store", help="store throughput against raw I/O and memcpy")
     bstore.add_argument("--path", help="directory to benchmark in (default: a temporary one)")
-    bstore.add_argument("--total-gb", type=float, default=1.0,
-                        help="GiB moved per store and block size (default 1)")
-    bstore.add_argument("--block-kib", type=int, nargs="+", default=[2048, 256],
-                        help="block sizes in KiB (default 2048 256)")
-    bstore.add_argument("--repeat", type=int, default=3, help="runs per case, best kept (default 3)")
+    bstore.add_argument(
+        "--total-gb", type=float, default=1.0, help="GiB moved per store and block size (default 1)"
+    )
+    bstore.add_argument(
+        "--block-kib",
+        type=int,
+        nargs="+",
+        default=[2048, 256],
+        help="block sizes in KiB (default 2048 256)",
+    )
+    bstore.add_argument(
+        "--repeat", type=int, default=3, help="runs per case, best kept (default 3)"
+    )
     bstore.add_argument("--json", action="store_true", help="end with one line of JSON")
     bstore.set_defaults(func=cmd_bench_store)
     return parser

@@ -83,7 +83,9 @@ def non_empty_str(_inst: object, attribute: attrs.Attribute[Any], value: object)
         raise ConfigError(attribute.name, f"must be a non-empty string, got {value!r}")
 
 
-def instance_of(cls: type | tuple[type, ...]) -> Callable[[object, attrs.Attribute[Any], object], None]:
+def instance_of(
+    cls: type | tuple[type, ...],
+) -> Callable[[object, attrs.Attribute[Any], object], None]:
     def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if not isinstance(value, cls):
             names = cls.__name__ if isinstance(cls, type) else " or ".join(c.__name__ for c in cls)
@@ -229,6 +231,12 @@ class DramStoreConfig:
     kind: str = setting("Store kind.", default="dram", validator=one_of("dram"))
     capacity_gb: float = setting(
         "Size limit in GiB (2^30 bytes).", default=4.0, validator=positive_number
+    )
+    preallocate: bool = setting(
+        "Map and fault in the whole capacity at start-up, so that no dump pays for fresh "
+        "pages (costs start-up time and commits the memory at once).",
+        default=False,
+        validator=boolean,
     )
 
     @property

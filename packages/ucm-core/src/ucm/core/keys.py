@@ -49,7 +49,8 @@ class Namespace:
             raise ValueError("model must be a non-empty fingerprint of the model")
         if self.world_size < 1 or self.rank >= self.world_size:
             raise ValueError(
-                f"rank must be in [0, world_size), got rank={self.rank} world_size={self.world_size}"
+                "rank must be in [0, world_size), "
+                f"got rank={self.rank} world_size={self.world_size}"
             )
 
     def canonical_bytes(self) -> bytes:

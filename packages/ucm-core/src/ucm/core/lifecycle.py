@@ -20,7 +20,6 @@ import logging
 from collections.abc import Hashable, Iterable
 
 import attrs
-
 from ucm.core.store.base import KeyResult, Task
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,11 @@ class DumpTracker:
         self.counts.add(results)
         if self.counts.failed != before:
             problems = {r.detail or r.status.value for r in results if not r.ok}
-            log.warning("ucm: %d block dumps failed: %s", self.counts.failed - before, "; ".join(sorted(problems)))
+            log.warning(
+                "ucm: %d block dumps failed: %s",
+                self.counts.failed - before,
+                "; ".join(sorted(problems)),
+            )
 
     def _reap_request(self, req_id: Hashable) -> bool:
         """Drop the request's completed tasks; True when none remain."""

@@ -15,8 +15,13 @@ import time
 from collections.abc import Callable, Mapping
 
 import attrs
-
-from ucm.core.config import ConfigError, int_in_range, optional_positive_number, positive_number, setting
+from ucm.core.config import (
+    ConfigError,
+    int_in_range,
+    optional_positive_number,
+    positive_number,
+    setting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +73,7 @@ def policy_from_env(
         for field, var in names.items()
         if var in environ
     }
-    return attrs.evolve(base, **changes)
+    return attrs.evolve(base, **changes)  # type: ignore[arg-type]
 
 
 def plan_slices(start: int, end: int, slice_blocks: int) -> list[tuple[int, int]]:
@@ -129,7 +134,12 @@ def write_sliced(
         written += done
         log.debug(
             "ucm slice write %s: slice=[%d, %d) written=%d/%d seconds=%.3f",
-            label, s, e, done, e - s, clock() - t0,
+            label,
+            s,
+            e,
+            done,
+            e - s,
+            clock() - t0,
         )
         if stopped is None and clock() - t0 > budget:
             stopped = f"slice [{s}, {e}) took {clock() - t0:.3f}s, over {budget:g}s"
@@ -139,10 +149,20 @@ def write_sliced(
             break
     report = SliceWriteReport(end - start, written, slices, stopped, clock() - began)
     if report.complete:
-        log.debug("ucm slice write %s: written=%d/%d seconds=%.3f", label, written, end - start, report.seconds)
+        log.debug(
+            "ucm slice write %s: written=%d/%d seconds=%.3f",
+            label,
+            written,
+            end - start,
+            report.seconds,
+        )
     else:
         log.warning(
             "ucm slice write %s: prefix cut short: written=%d/%d seconds=%.3f reason=%s",
-            label, written, end - start, report.seconds, stopped,
+            label,
+            written,
+            end - start,
+            report.seconds,
+            stopped,
         )
     return report

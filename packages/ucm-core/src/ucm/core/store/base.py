@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-
 from ucm.core.keys import KEY_BYTES
 
 

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import attrs
-
 from ucm.core.block_format import (
     HEADER_BYTES,
     BlockFormatError,
@@ -157,7 +156,11 @@ def scan_store(root: str, *, stale_temp_seconds: float = 3600.0) -> ScanResult:
                     except FileNotFoundError:
                         pass
                 continue
-            if _is_block_name(name) and name[:2] == sub.name and entry.is_file(follow_symlinks=False):
+            if (
+                _is_block_name(name)
+                and name[:2] == sub.name
+                and entry.is_file(follow_symlinks=False)
+            ):
                 blocks.append(BlockFile(name, entry.path, st.st_size, st.st_mtime_ns))
             else:
                 foreign.append(entry.path)
@@ -174,7 +177,9 @@ def verify_block_file(path: str) -> str | None:
         return f"unreadable: {exc.strerror}"
     try:
         if len(data) < HEADER_BYTES:
-            raise BlockFormatError(f"file truncated: {len(data)} bytes, header alone is {HEADER_BYTES}")
+            raise BlockFormatError(
+                f"file truncated: {len(data)} bytes, header alone is {HEADER_BYTES}"
+            )
         header = decode_header(data[:HEADER_BYTES], expect_key=bytes.fromhex(name))
         payload = memoryview(data)[HEADER_BYTES : HEADER_BYTES + header.payload_len]
         verify_payload(header, payload)
@@ -283,7 +288,7 @@ class PosixStore(Store):
     # -- helpers --
 
     def _path(self, key_hex: str) -> str:
-        return os.path.join(self._blocks_dir, key_hex[:2], key_hex)
+        return f"{self._blocks_dir}/{key_hex[:2]}/{key_hex}"
 
     def _initial_scan(self) -> None:
         try:
@@ -295,7 +300,11 @@ class PosixStore(Store):
                         self._usage_bytes += block.size
                         self._usage_blocks += 1
             if scan.temps_removed:
-                log.info("ucm posix store %s: removed %d stale temporary files", self.root, scan.temps_removed)
+                log.info(
+                    "ucm posix store %s: removed %d stale temporary files",
+                    self.root,
+                    scan.temps_removed,
+                )
         except OSError as exc:
             log.warning("ucm posix store %s: initial scan failed: %s", self.root, exc)
         finally:
@@ -411,7 +420,9 @@ class PosixStore(Store):
                 buf = self._bounce.get(size)
                 buf[:HEADER_BYTES] = header
                 buf[HEADER_BYTES : HEADER_BYTES + payload.nbytes] = payload
-                buf[HEADER_BYTES + payload.nbytes : size] = bytes(size - HEADER_BYTES - payload.nbytes)
+                buf[HEADER_BYTES + payload.nbytes : size] = bytes(
+                    size - HEADER_BYTES - payload.nbytes
+                )
                 _pwrite_all(fd, [memoryview(buf)[:size]])
             else:
                 _pwrite_all(fd, [memoryview(header), payload])
@@ -523,16 +534,22 @@ class PosixStore(Store):
 
     # -- the rest --
 
+    def _exists(self, key: bytes) -> bool:
+        h = key.hex()
+        try:
+            os.stat(f"{self._blocks_dir}/{h[:2]}/{h}")
+        except OSError:
+            return False
+        return True
+
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         check_keys(keys)
-        exists = os.path.exists
-        return [exists(self._path(bytes(k).hex())) for k in keys]
+        return [self._exists(k) for k in keys]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)
-        exists = os.path.exists
         for i, key in enumerate(keys):
-            if not exists(self._path(bytes(key).hex())):
+            if not self._exists(key):
                 return i
         return len(keys)
 
@@ -610,4 +627,3 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

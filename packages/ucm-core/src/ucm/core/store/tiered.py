@@ -37,7 +37,9 @@ class TieredStore(Store):
             self.dram.dump([keys[i] for i in good], [views[i] for i in good], layout)
 
         below.add_done_callback(promote)
-        return Task.combine(len(keys), [(hits, Task.completed([from_dram[i] for i in hits])), (rest, below)])
+        return Task.combine(
+            len(keys), [(hits, Task.completed([from_dram[i] for i in hits])), (rest, below)]
+        )
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         in_dram = self.dram.lookup(keys)
@@ -76,5 +78,3 @@ class TieredStore(Store):
     def close(self) -> None:
         self.backing.close()
         self.dram.close()
-
-
