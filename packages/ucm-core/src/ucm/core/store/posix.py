@@ -241,14 +241,19 @@ def evict_lru(
 
 
 class _Bounce(threading.local):
-    """Per-thread page-aligned buffer for O_DIRECT I/O."""
+    """Per-thread buffers: a header page, and a page-aligned one for O_DIRECT I/O."""
 
     buf: mmap.mmap | None = None
+    header: bytearray | None = None
+
+    def page(self) -> bytearray:
+        if self.header is None:
+            self.header = bytearray(HEADER_BYTES)
+        return self.header
 
     def get(self, size: int) -> mmap.mmap:
         if self.buf is None or len(self.buf) < size:
-            if self.buf is not None:
-                self.buf.close()
+            # Not closed: views of the old buffer may still be alive; it goes with the last.
             self.buf = mmap.mmap(-1, _round_up(size))
         return self.buf
 
@@ -483,6 +488,14 @@ class PosixStore(Store):
                 if problem:
                     return self._size_mismatch(problem, header.payload_len, out.nbytes)
                 out[:] = view[HEADER_BYTES : HEADER_BYTES + header.payload_len]
+            elif st.st_size == HEADER_BYTES + out.nbytes:
+                # The common case, one read: header page and payload straight into ``out``.
+                page = self._bounce.page()
+                if os.preadv(fd, [page, out], 0) < st.st_size:
+                    raise BlockFormatError("file shrank while being read")
+                header = decode_header(page, expect_key=key, expect_layout=layout)
+                if header.payload_len != out.nbytes:
+                    return self._size_mismatch("size", header.payload_len, out.nbytes)
             else:
                 header = decode_header(
                     os.pread(fd, HEADER_BYTES, 0), expect_key=key, expect_layout=layout
