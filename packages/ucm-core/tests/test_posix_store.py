@@ -52,7 +52,21 @@ def test_wrong_buffer_size_is_an_error_not_corruption(store):
 def test_layout_mismatch_is_never_handed_back(store):
     store.wait(store.dump([key(1)], [payload(1, 100)], b"bf16"))
     (result,) = store.wait(store.load([key(1)], [bytearray(100)], b"fp8"))
+    assert result.status is Status.ERROR and "layout" in result.detail
+    assert store.lookup([key(1)]) == [True]  # a caller's mistake destroys no good block
+
+
+def test_corrupt_block_leaves_usage_right(tmp_path):
+    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    s.wait(s.dump([key(1), key(2)], [payload(1, 100), payload(2, 100)]))
+    path = s._path(key(1).hex())
+    with open(path, "r+b") as f:
+        f.seek(4096 + 50)
+        f.write(b"!")
+    (result,) = s.wait(s.load([key(1)], [bytearray(100)]))
     assert result.status is Status.CORRUPT
+    assert s.usage().blocks == 1 and s.usage().bytes == 4096 + 100
+    s.close()
 
 
 def test_dump_of_stored_key_keeps_the_file(store):

@@ -130,6 +130,14 @@ def scan_store(root: str, *, stale_temp_seconds: float = 3600.0) -> ScanResult:
     removed = 0
     now = time.time()
     host = _host_tag()
+    for entry in os.scandir(root) if os.path.isdir(root) else ():
+        # a marker temp file of a writer killed mid-write
+        if entry.name.startswith(f".{MARKER}~") and now - entry.stat().st_mtime > 60:
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except FileNotFoundError:
+                pass
     try:
         subdirs = sorted(os.scandir(blocks_dir), key=lambda e: e.name)
     except FileNotFoundError:
@@ -199,17 +207,20 @@ def read_marker(root: str) -> dict[str, object]:
 
 def _write_marker(root: str, capacity_bytes: int | None) -> None:
     data = read_marker(root)
-    wanted = {"format": "ucm-posix-store", "version": 1}
-    if capacity_bytes is not None:
-        wanted["capacity_bytes"] = capacity_bytes
+    # The capacity last configured, for `ucm store stats`; None: no limit.
+    wanted = {"format": "ucm-posix-store", "version": 1, "capacity_bytes": capacity_bytes}
     if all(data.get(k) == v for k, v in wanted.items()):
         return
     data.update(wanted)
     tmp = os.path.join(root, f".{MARKER}~{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, os.path.join(root, MARKER))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, os.path.join(root, MARKER))
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def evict_lru(
@@ -483,7 +494,7 @@ class PosixStore(Store):
                 buf = self._bounce.get(st.st_size)
                 view = memoryview(buf)
                 got = _pread_into(fd, view[: _round_up(st.st_size)], 0)
-                header = decode_header(view[:HEADER_BYTES], expect_key=key, expect_layout=layout)
+                header = decode_header(view[:HEADER_BYTES], expect_key=key)
                 problem = _size_problem(header.payload_len, out.nbytes, got)
                 if problem:
                     return self._size_mismatch(problem, header.payload_len, out.nbytes)
@@ -493,17 +504,21 @@ class PosixStore(Store):
                 page = self._bounce.page()
                 if os.preadv(fd, [page, out], 0) < st.st_size:
                     raise BlockFormatError("file shrank while being read")
-                header = decode_header(page, expect_key=key, expect_layout=layout)
+                header = decode_header(page, expect_key=key)
                 if header.payload_len != out.nbytes:
                     return self._size_mismatch("size", header.payload_len, out.nbytes)
             else:
-                header = decode_header(
-                    os.pread(fd, HEADER_BYTES, 0), expect_key=key, expect_layout=layout
-                )
+                header = decode_header(os.pread(fd, HEADER_BYTES, 0), expect_key=key)
                 problem = _size_problem(header.payload_len, out.nbytes, st.st_size)
                 if problem:
                     return self._size_mismatch(problem, header.payload_len, out.nbytes)
                 _pread_into(fd, out, HEADER_BYTES)
+            if header.layout != layout:  # the caller's mistake: the block itself is fine
+                self._count_error()
+                return KeyResult(
+                    Status.ERROR,
+                    f"stored block has layout {header.layout!r}, asked for {layout!r}",
+                )
             verify_payload(header, out)
             try:
                 os.utime(fd)  # recency for the LRU, visible to every process
@@ -536,10 +551,14 @@ class PosixStore(Store):
     def _discard(self, path: str, inode: int | None) -> None:
         """Remove a corrupt block, unless a writer has replaced it with a new file meanwhile."""
         try:
-            if inode is None or os.stat(path).st_ino == inode:
+            st = os.stat(path)
+            if inode is None or st.st_ino == inode:
                 os.unlink(path)
         except OSError:
-            pass
+            return
+        with self._lock:
+            self._usage_bytes -= st.st_size
+            self._usage_blocks -= 1
 
     def _count_error(self) -> None:
         with self._lock:
