@@ -407,7 +407,7 @@ class PosixStore(Store):
     def _dump_one(self, key: bytes, payload: memoryview, layout: bytes) -> KeyResult:
         key_hex = key.hex()
         final = self._path(key_hex)
-        if os.path.exists(final):
+        if os.path.isfile(final):
             return OK  # content-addressed: the same key holds the same bytes
         size = HEADER_BYTES + payload.nbytes
         if self._direct:
