@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from tqdm import tqdm
-from ucm.core.config import GIB, DramStoreConfig, PosixStoreConfig
+from ucm.core.config import GIB, DramStoreConfig, PosixStoreConfig, default_store_path
 from ucm.core.store import DramStore, PosixStore, Store
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
@@ -107,7 +107,11 @@ def _lookup_prefix_ms(store: Store, srcs: list, count: int = 512) -> float:
 
 def run_store_bench(args: argparse.Namespace) -> int:
     own_dir = args.path is None
-    root = tempfile.mkdtemp(prefix="ucm-bench-") if own_dir else args.path
+    # By default, beside the default store: the disk a store would use unless told otherwise.
+    base = os.path.dirname(default_store_path())
+    if own_dir:
+        os.makedirs(base, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="ucm-bench-", dir=base) if own_dir else args.path
     os.makedirs(root, exist_ok=True)
     rows: list[dict[str, object]] = []
     summary: dict[str, object] = {"path": root, "total_gb": args.total_gb, "cases": rows}

@@ -129,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bstore = bench_sub.add_parser("store", help="store throughput against raw I/O and memcpy")
-    bstore.add_argument("--path", help="directory to benchmark in (default: a temporary one)")
+    bstore.add_argument(
+        "--path",
+        help="directory to benchmark in (default: a temporary one beside the default store)",
+    )
     bstore.add_argument(
         "--total-gb", type=float, default=1.0, help="GiB moved per store and block size (default 1)"
     )
