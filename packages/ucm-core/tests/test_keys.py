@@ -96,3 +96,14 @@ def test_hashing_128k_tokens_is_fast():
     per_block_us = (time.perf_counter() - t0) / len(keys) * 1e6
     print(f"block_keys: {per_block_us:.2f} us per 256-token block")
     assert len(keys) == 512
+
+
+def test_scoped_keys_isolate_scopes_and_keep_prefixes():
+    from ucm.core.keys import scoped_keys
+
+    chain = block_keys(NS, list(range(1024)), 256)
+    a = scoped_keys(chain, Namespace(model="m", layout="g0", rank=0, world_size=2))
+    b = scoped_keys(chain, Namespace(model="m", layout="g0", rank=1, world_size=2))
+    assert len(a) == 4 and set(a).isdisjoint(b) and set(a).isdisjoint(chain)
+    shorter = scoped_keys(chain[:2], Namespace(model="m", layout="g0", rank=0, world_size=2))
+    assert shorter == a[:2]

@@ -116,3 +116,15 @@ def block_keys(
         parent = digest(parent + chunk)
         keys.append(parent)
     return keys
+
+
+def scoped_keys(chain: Sequence[bytes], scope: Namespace | bytes) -> list[bytes]:
+    """Keys of ``chain`` (prefix keys from :func:`block_keys`) within ``scope``.
+
+    One token chain serves every shard and KV-cache group of a model: each ``(rank, group)``
+    gets its own keys as ``xxh3_128(scope digest || chain key)``, one hash per block instead
+    of a pass over the tokens per scope.
+    """
+    digest = scope.digest() if isinstance(scope, Namespace) else bytes(scope)
+    h = xxhash.xxh3_128_digest
+    return [h(digest + key) for key in chain]

@@ -115,6 +115,10 @@ class DumpTracker:
                     log.warning("ucm: dump of preempted request %s timed out", req_id)
             self._reap_request(req_id)
 
+    def flush_all(self, timeout: float | None = None) -> None:
+        """Wait every dump in flight (shutdown)."""
+        self.flush(list(self._tasks), timeout)
+
     def discard(self, req_id: Hashable) -> None:
         """Forget the request; its tasks are cancelled where they have not started."""
         for task in self._tasks.pop(req_id, []):

@@ -1,1 +1,5 @@
-"""UCM for vLLM (coming: the UCMConnector KV connector; nothing is implemented yet)."""
+"""UCM for vLLM: ``UCMConnector``, a KV connector loaded with ``kv_connector_module_path``."""
+
+from ucm.vllm.connector import UCMConnector
+
+__all__ = ["UCMConnector"]

@@ -1,0 +1,70 @@
+"""The connector's settings: ``kv_connector_extra_config``, validated at start-up."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ucm.core.config import (
+    ConfigError,
+    PosixStoreConfig,
+    StoreConfig,
+    boolean,
+    from_dict,
+    int_in_range,
+    parse_store_config,
+    setting,
+    with_config_file,
+)
+
+
+def _is_store(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    parse_store_config(value, attribute.name)
+
+
+def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(attribute.name, f"must be a non-empty string or null, got {value!r}")
+
+
+@attrs.frozen
+class ConnectorConfig:
+    """Settings of ``UCMConnector`` (``kv_connector_extra_config``)."""
+
+    store: StoreConfig = setting(
+        "The store: a dict with ``kind`` (posix, dram, tiered) and its settings.",
+        factory=PosixStoreConfig,
+        validator=_is_store,
+        metadata={"parse": parse_store_config},
+    )
+    block_tokens: int = setting(
+        "Tokens per stored block; a multiple of vLLM's block size in every KV-cache group.",
+        default=256,
+        validator=int_in_range(1, 1 << 20),
+    )
+    load_tokens_threshold: int = setting(
+        "Fewest tokens a store hit must add to what vLLM holds to be loaded; smaller hits "
+        "are recomputed.",
+        default=0,
+        validator=int_in_range(0, 1 << 30),
+    )
+    model_fingerprint: str | None = setting(
+        "Names the weights in every key; null: derived from the model path, revision, dtype "
+        "and quantization. Set it when one model is served from different paths.",
+        default=None,
+        validator=_optional_str,
+    )
+    recompute_on_load_error: bool = setting(
+        "Make vLLM recompute blocks that fail to load (sets kv_load_failure_policy to "
+        "'recompute'); false keeps vLLM's policy, which by default fails the request.",
+        default=True,
+        validator=boolean,
+    )
+
+
+def connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    """Build from ``kv_connector_extra_config`` (with ``config_file`` resolved)."""
+    data = with_config_file(extra or {})
+    return from_dict(ConnectorConfig, data, "kv_connector_extra_config")

@@ -1,0 +1,175 @@
+"""``UCMConnector``: vLLM's KV connector interface over a UCM store.
+
+Load it into stock vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "UCMConnector", "kv_connector_module_path": "ucm.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"store": {"kind": "posix", "path": "/data/ucm"}}}'
+
+vLLM creates one instance in the scheduler process (role SCHEDULER) and one per worker
+(role WORKER); each delegates to its half in :mod:`ucm.vllm.scheduler` or
+:mod:`ucm.vllm.worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ucm.core.store import Store, create_store
+from ucm.vllm.config import connector_config
+from ucm.vllm.layout import describe
+from ucm.vllm.scheduler import SchedulerSide
+from ucm.vllm.stats import UCMPromMetrics, UCMStats
+from ucm.vllm.worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+def _open_store(config: Any) -> Store | None:
+    try:
+        return create_store(config)
+    except OSError as exc:
+        log.warning("UCMConnector: store unavailable, serving without it: %s", exc)
+        return None
+
+
+class UCMConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = connector_config(transfer.kv_connector_extra_config)
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        else:
+            rank, world = 0, vllm_config.parallel_config.tensor_parallel_size
+        self.layout = describe(vllm_config, kv_cache_config, self.config, rank, world)
+        if role == KVConnectorRole.SCHEDULER and self.config.recompute_on_load_error:
+            # A cache miss must never fail a request: recompute what could not be loaded.
+            transfer.kv_load_failure_policy = "recompute"
+        if any(g.kind == "window" for g in self.layout.groups):
+            log.warning(
+                "UCMConnector: this model has window-attention KV-cache groups; it is served "
+                "without reuse (hybrid models are not supported yet)"
+            )
+        store = _open_store(self.config.store)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.layout, store, self.config.load_tokens_threshold)
+        else:
+            self.worker = WorkerSide(self.layout, store, len(kv_cache_config.kv_cache_groups))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped dump is a later miss
+
+    # -- scheduler side --
+
+    def _sched(self) -> SchedulerSide:
+        assert self.scheduler is not None, "called on the worker-side connector"
+        return self.scheduler
+
+    def _work(self) -> WorkerSide:
+        assert self.worker is not None, "called on the scheduler-side connector"
+        return self.worker
+
+    def on_new_request(self, request: Any) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)
+
+    # -- worker side --
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before vLLM schedules the request
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # every layer is gathered at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._work().wait_for_save(self._get_connector_metadata())  # type: ignore[arg-type]
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._work().get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        return  # dumps are gathered synchronously; wait_for_save waits preempted writes
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # -- statistics --
+
+    def get_kv_connector_stats(self) -> UCMStats | None:
+        side = self.scheduler or self.worker
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UCMStats | None:
+        return UCMStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> UCMPromMetrics:
+        return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

