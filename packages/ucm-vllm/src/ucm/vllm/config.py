@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-
 from ucm.core.config import (
     ConfigError,
     PosixStoreConfig,

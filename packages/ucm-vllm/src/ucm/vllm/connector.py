@@ -2,9 +2,9 @@
 
 Load it into stock vLLM with::
 
-    --kv-transfer-config '{"kv_connector": "UCMConnector", "kv_connector_module_path": "ucm.vllm",
-                           "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"store": {"kind": "posix", "path": "/data/ucm"}}}'
+    --kv-transfer-config '{"kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": {"kind": "posix", "path": "/data/ucm"}}}'
 
 vLLM creates one instance in the scheduler process (role SCHEDULER) and one per worker
 (role WORKER); each delegates to its half in :mod:`ucm.vllm.scheduler` or
@@ -16,6 +16,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ucm.core.store import Store, create_store
+from ucm.vllm.config import connector_config
+from ucm.vllm.layout import describe
+from ucm.vllm.scheduler import SchedulerSide
+from ucm.vllm.stats import UCMPromMetrics, UCMStats
+from ucm.vllm.worker import WorkerSide
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -24,13 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-from ucm.core.store import Store, create_store
-from ucm.vllm.config import connector_config
-from ucm.vllm.layout import describe
-from ucm.vllm.scheduler import SchedulerSide
-from ucm.vllm.stats import UCMPromMetrics, UCMStats
-from ucm.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ engine blocks that cover those tokens.
 from __future__ import annotations
 
 import attrs
-
 from ucm.core.keys import Namespace
 from ucm.vllm.config import ConnectorConfig
 

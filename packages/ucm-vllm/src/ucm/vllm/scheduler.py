@@ -10,7 +10,6 @@ import logging
 from typing import Any
 
 import attrs
-
 from ucm.core.keys import block_keys, scoped_keys
 from ucm.core.store import Store
 from ucm.vllm.layout import ModelLayout

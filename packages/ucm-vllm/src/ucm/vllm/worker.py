@@ -16,7 +16,6 @@ from typing import Any
 
 import attrs
 import torch
-
 from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store import Store, Task

@@ -1,0 +1,48 @@
+"""ucm.kernels: move KV data between an engine's paged KV cache and store-block buffers.
+
+``gather`` (dump side) copies engine blocks of many layers into one contiguous buffer per
+store block, in the canonical layout of :mod:`ucm.kernels.spec`; ``scatter`` (load side) is
+the reverse.  A Triton kernel runs on a GPU; a torch fallback runs everywhere else.
+:class:`HostStager` moves the same payloads between a GPU and pinned host buffers on a side
+stream.
+"""
+
+from ucm.kernels.api import (
+    BACKENDS,
+    execute,
+    gather,
+    payload_layout,
+    payload_nbytes,
+    resolve_backend,
+    scatter,
+    triton_available,
+)
+from ucm.kernels.layouts import logical_view
+from ucm.kernels.reference import gather_reference, scatter_reference
+from ucm.kernels.spec import SUPPORTED_DTYPES, CacheSpec, PayloadLayout, make_layout
+from ucm.kernels.staging import HostStager, TransferHandle, alloc_host_buffers
+from ucm.kernels.validate import TransferPlan, build_plan, describe_caches
+
+__all__ = [
+    "BACKENDS",
+    "SUPPORTED_DTYPES",
+    "CacheSpec",
+    "HostStager",
+    "PayloadLayout",
+    "TransferHandle",
+    "TransferPlan",
+    "alloc_host_buffers",
+    "build_plan",
+    "describe_caches",
+    "execute",
+    "gather",
+    "gather_reference",
+    "logical_view",
+    "make_layout",
+    "payload_layout",
+    "payload_nbytes",
+    "resolve_backend",
+    "scatter",
+    "scatter_reference",
+    "triton_available",
+]

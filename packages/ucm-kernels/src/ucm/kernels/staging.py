@@ -1,0 +1,244 @@
+"""Host staging: gather into host buffers (dump) and scatter from them (load) on a GPU.
+
+A dump must not hold up the forward pass, so the copy runs on a side stream: at submit time
+it records an event on the caller's current stream and waits for that event only (the KV it
+copies was written by work queued before the dump, and nothing queued after it is waited
+for), then gathers and copies to the pinned host buffers, and records a completion event.
+The caller polls or waits on the returned :class:`TransferHandle`.
+
+Two ways to reach host memory:
+
+* ``direct=False`` (default): the kernel gathers into a device scratch buffer and one DMA
+  copy per call moves it into the pinned host buffers.  The DMA engine runs at the link's
+  full speed, and the scratch pass costs a few percent at HBM speed.
+* ``direct=True``: the Triton kernel reads or writes the pinned host buffers itself (mapped
+  host memory, the same address on the device under unified addressing), skipping the
+  scratch buffer.  Whether it beats the DMA path depends on the machine: the benchmark
+  measures both.  Not available with scales.
+
+The host buffers are written by the store's I/O threads straight from where the copy left
+them: no extra host copy.  They must be pinned (:func:`alloc_host_buffers`); a pageable
+buffer would make the "asynchronous" copy synchronous, so it is refused.
+
+On the CPU (no GPU, or CPU caches) the same calls run synchronously and return a handle that
+is already done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ucm.kernels.api import Backend, execute
+from ucm.kernels.spec import PayloadLayout
+from ucm.kernels.validate import GATHER, SCATTER, TransferPlan, build_plan, rebind_buffers
+
+
+def alloc_host_buffers(
+    layout: PayloadLayout | int, count: int, *, pin: bool | None = None
+) -> torch.Tensor:
+    """``[count, nbytes]`` uint8 host buffers, pinned when a GPU is there (``pin=None``)."""
+    nbytes = layout.nbytes if isinstance(layout, PayloadLayout) else int(layout)
+    if count < 1 or nbytes < 1:
+        raise ValueError(f"count and nbytes must be positive, got {count} and {nbytes}")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    return torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=bool(pin))
+
+
+class TransferHandle:
+    """Completion of one staged copy.
+
+    Keeps the scratch buffer and the tensors the copy uses alive until it is done.
+    """
+
+    def __init__(
+        self,
+        event: torch.cuda.Event | None = None,
+        keep: tuple = (),
+        device: torch.device | None = None,
+    ) -> None:
+        self._event = event
+        self._keep = keep
+        self._device = device
+
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """The CUDA event recorded after the copy (None for a synchronous copy)."""
+        return self._event
+
+    def done(self) -> bool:
+        """True once the copy has finished (never blocks)."""
+        if self._event is None or self._event.query():
+            self._keep = ()
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Block the calling thread until the copy has finished."""
+        if self._event is not None:
+            self._event.synchronize()
+        self._keep = ()
+
+    def wait_on(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the copy, without blocking
+        the host: call it before the forward pass reads blocks that a load wrote."""
+        if self._event is not None:
+            (stream or torch.cuda.current_stream(self._device)).wait_event(self._event)
+
+
+class HostStager:
+    """Dumps and loads between a GPU's paged caches and pinned host buffers.
+
+    Args:
+        device: the caches' GPU (default: the current CUDA device when there is one).
+        stream: the side stream to copy on (default: a new one per stager).
+        direct: let the kernel touch host memory itself (see the module docstring).
+        backend: the kernel backend for the device-side gather/scatter.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        direct: bool = False,
+        backend: Backend = "auto",
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.direct = direct
+        self.backend = backend
+        self._stream = stream
+        if self.device.type == "cuda" and stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        return self._stream
+
+    def dump(
+        self,
+        caches: Sequence[torch.Tensor],
+        block_ids: object,
+        host_buffers: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        token_range: tuple[int, int] | None = None,
+        null_block_id: int | None = None,
+        scales: Sequence[torch.Tensor] | None = None,
+    ) -> TransferHandle:
+        """Gather into host buffers; returns at once on a GPU (see :class:`TransferHandle`)."""
+        plan = build_plan(
+            GATHER,
+            caches,
+            block_ids,
+            host_buffers,
+            token_range=token_range,
+            null_block_id=null_block_id,
+            scales=scales,
+            host_buffers=True,
+        )
+        return self._run(plan)
+
+    def load(
+        self,
+        caches: Sequence[torch.Tensor],
+        block_ids: object,
+        host_buffers: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        token_range: tuple[int, int] | None = None,
+        null_block_id: int | None = None,
+        scales: Sequence[torch.Tensor] | None = None,
+    ) -> TransferHandle:
+        """Scatter from host buffers; on a GPU, call ``wait_on()`` on the handle before the
+        forward pass reads the blocks (and keep the buffers until the handle is done)."""
+        plan = build_plan(
+            SCATTER,
+            caches,
+            block_ids,
+            host_buffers,
+            token_range=token_range,
+            null_block_id=null_block_id,
+            scales=scales,
+            host_buffers=True,
+        )
+        return self._run(plan)
+
+    # -------------------------------------------------------------------------------------
+    def _run(self, plan: TransferPlan) -> TransferHandle:
+        if plan.device.type == "cpu":
+            if any(r.device.type != "cpu" for r in plan.raw):
+                raise ValueError("the caches are on the CPU but some buffers are not")
+            execute(plan, self.backend)
+            return TransferHandle()
+        if plan.device.type != "cuda":
+            return self._run_sync(plan)
+        if plan.device != self.device:
+            raise ValueError(f"the caches are on {plan.device}, this stager on {self.device}")
+        for s, row in enumerate(plan.raw):
+            if row.device.type == "cpu" and not row.is_pinned():
+                raise ValueError(
+                    f"host_buffers[{s}] is not pinned: an asynchronous copy needs pinned memory "
+                    f"(allocate with alloc_host_buffers)"
+                )
+        if self.direct and plan.scales is not None:
+            raise ValueError("direct=True does not handle scales; use the default DMA path")
+        assert self._stream is not None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            keep: tuple = (*plan.caches, *plan.raw)
+            if self.direct:
+                execute(plan, "triton")
+            else:
+                scratch = torch.empty(
+                    (plan.num_store_blocks, plan.layout.nbytes),
+                    dtype=torch.uint8,
+                    device=self.device,
+                )
+                dev_plan = rebind_buffers(plan, scratch)
+                if plan.direction == SCATTER:
+                    _copy_rows(scratch, plan)
+                    execute(dev_plan, self.backend)
+                else:
+                    execute(dev_plan, self.backend)
+                    _copy_rows(scratch, plan)
+                keep = (*keep, scratch)
+            done.record(self._stream)
+        return TransferHandle(done, keep, self.device)
+
+    def _run_sync(self, plan: TransferPlan) -> TransferHandle:
+        """Another accelerator: a device scratch buffer and blocking copies."""
+        scratch = torch.empty(
+            (plan.num_store_blocks, plan.layout.nbytes), dtype=torch.uint8, device=plan.device
+        )
+        dev_plan = rebind_buffers(plan, scratch)
+        if plan.direction == SCATTER:
+            _copy_rows(scratch, plan)
+        execute(dev_plan, self.backend)
+        if plan.direction == GATHER:
+            _copy_rows(scratch, plan)
+        return TransferHandle()
+
+
+def _copy_rows(scratch: torch.Tensor, plan: TransferPlan) -> None:
+    """Between the device scratch ``[S, nbytes]`` and the host payloads, in the plan's
+    direction: one copy when the host rows are evenly spaced, else one per row."""
+    to_host = plan.direction == GATHER
+    # Only a contiguous stacked view: a strided host destination would go through a
+    # pageable temporary and lose the asynchrony.
+    if plan.raw_stacked is not None and plan.raw_stacked.is_contiguous():
+        pairs = [(plan.raw_stacked, scratch)]
+    else:
+        pairs = list(zip(plan.raw, scratch.unbind(0)))
+    for host, dev in pairs:
+        if to_host:
+            host.copy_(dev, non_blocking=True)
+        else:
+            dev.copy_(host, non_blocking=True)
