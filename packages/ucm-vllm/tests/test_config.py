@@ -1,0 +1,60 @@
+import pytest
+
+pytest.importorskip("vllm")
+
+from ucm.core.config import ConfigError, DramStoreConfig, PosixStoreConfig  # noqa: E402
+from ucm.vllm.config import connector_config  # noqa: E402
+
+
+def test_defaults_and_store():
+    config = connector_config({"store": {"kind": "dram", "capacity_gb": 1}})
+    assert config.store == DramStoreConfig(capacity_gb=1)
+    assert config.block_tokens == 256 and config.recompute_on_load_error
+    assert isinstance(connector_config(None).store, PosixStoreConfig)
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"block_tokenz": 128}, "kv_connector_extra_config.block_tokenz"),
+        ({"block_tokens": 0}, "kv_connector_extra_config.block_tokens"),
+        ({"load_tokens_threshold": -1}, "kv_connector_extra_config.load_tokens_threshold"),
+        ({"store": {"kind": "s3"}}, "kv_connector_extra_config.store.kind"),
+        (
+            {"store": {"path": "/x", "capacity_gb": "big"}},
+            "kv_connector_extra_config.store.capacity_gb",
+        ),
+        ({"model_fingerprint": ""}, "kv_connector_extra_config.model_fingerprint"),
+        ({"recompute_on_load_error": "yes"}, "kv_connector_extra_config.recompute_on_load_error"),
+    ],
+)
+def test_bad_settings_name_the_key(extra, key):
+    with pytest.raises(ConfigError) as info:
+        connector_config(extra)
+    assert str(info.value).startswith(key)
+
+
+def test_config_file(tmp_path):
+    f = tmp_path / "ucm.yaml"
+    f.write_text("store:\n  kind: posix\n  path: /data/ucm\nblock_tokens: 512\n")
+    config = connector_config({"config_file": str(f), "block_tokens": 128})
+    assert config.block_tokens == 128 and config.store == PosixStoreConfig(path="/data/ucm")
+
+
+def test_block_tokens_must_cover_whole_engine_blocks(tmp_path):
+    from scheduler_harness import full_attention_kv_cache_config, make_vllm_config
+    from ucm.vllm.config import ConnectorConfig
+    from ucm.vllm.layout import describe
+
+    model = tmp_path / "m"
+    model.mkdir()
+    from models import tiny_llama_config
+
+    (model / "config.json").write_text(__import__("json").dumps(tiny_llama_config()))
+    vc = make_vllm_config(model)
+    kv = full_attention_kv_cache_config(num_blocks=64, block_size=32)
+    layout = describe(vc, kv, ConnectorConfig(block_tokens=256), 0, 2)
+    assert layout.stored_groups[0].blocks_per_store_block(256) == 8
+    assert layout.scope(layout.groups[0], 0) != layout.scope(layout.groups[0], 1)
+    with pytest.raises(ValueError, match="block_tokens: 48 is not a multiple of the block size 32"):
+        describe(vc, kv, ConnectorConfig(block_tokens=48), 0, 1)

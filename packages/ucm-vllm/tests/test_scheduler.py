@@ -1,0 +1,206 @@
+"""The scheduler side of UCMConnector inside a real vLLM Scheduler, step by step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from scheduler_harness import SchedulerHarness  # noqa: E402
+from ucm.core.config import PosixStoreConfig  # noqa: E402
+from ucm.core.keys import block_keys, scoped_keys  # noqa: E402
+from ucm.core.store import PosixStore  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+BT = 256  # store block tokens
+EB = 32  # engine block tokens
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+@pytest.fixture
+def harness(tmp_path):
+    def make(**kw):
+        transfer = {
+            "kv_connector": "UCMConnector",
+            "kv_connector_module_path": "ucm.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "store": {"kind": "posix", "path": str(tmp_path / "store")}
+            },
+        }
+        return SchedulerHarness.create(tmp_path, kv_transfer_config=transfer, **kw)
+
+    return make
+
+
+def store_blocks(h, tokens: list[int], n: int) -> None:
+    """Put the first ``n`` store blocks of ``tokens`` in the store (the payload is irrelevant here)."""
+    layout = h.connector.scheduler.layout
+    chain = block_keys(layout.chain_namespace(None), tokens, BT)[:n]
+    store = PosixStore(PosixStoreConfig(path=str(h.connector.config.store.path)))
+    for group in layout.stored_groups:
+        keys = scoped_keys(chain, layout.scope(group, 0))
+        assert all(r.ok for r in store.wait(store.dump(keys, [b"x"] * len(keys))))
+    store.close()
+
+
+def meta(so):
+    return so.kv_connector_metadata
+
+
+def drain(h, max_steps: int = 2000) -> None:
+    """Step to idle, answering as the workers would: dumps done, loads done."""
+    reply = None
+    for _ in range(max_steps):
+        if not h.scheduler.has_requests():
+            return
+        so, _ = h.step(reply)
+        m = meta(so)
+        reply = KVConnectorOutput(
+            finished_sending=set(m.delayed), finished_recving={t.req_id for t in m.loads}
+        )
+    raise AssertionError("scheduler did not go idle")
+
+
+def test_cold_chunked_prefill_plans_each_store_block_once(harness):
+    h = harness(max_num_batched_tokens=256)
+    req = h.add_request(prompt(600), max_tokens=2)
+    plans = []
+    for _ in range(3):
+        so, _ = h.step()
+        plans.append([(t.first, len(t.chain), t.block_ids) for t in meta(so).dumps])
+    blocks = req.block_ids if hasattr(req, "block_ids") else None
+    assert [[(f, n) for f, n, _ in p] for p in plans] == [[(0, 1)], [(1, 1)], []]
+    ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert plans[0][0][2] == [[ids[:8]]] and plans[1][0][2] == [[ids[8:16]]]
+    assert blocks is None or blocks
+
+
+def test_finished_request_keeps_blocks_until_dumps_are_reported(harness):
+    h = harness()
+    pool = h.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    req = h.add_request(prompt(300), max_tokens=1)
+    so, _ = h.step()
+    assert [t.first for t in meta(so).dumps] == [0]
+    delayed = []
+    while not delayed:
+        so, _ = h.step()
+        delayed = meta(so).delayed
+    assert req.is_finished() and delayed == [req.request_id]
+    assert pool.get_num_free_blocks() < free_before  # held for the dump
+    h.step(KVConnectorOutput(finished_sending={req.request_id}))
+    assert pool.get_num_free_blocks() == free_before
+
+
+def test_request_without_dumps_is_freed_at_once(harness):
+    h = harness()
+    pool = h.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    h.add_request(prompt(100), max_tokens=1)  # shorter than one store block: nothing to dump
+    h.step()
+    h.step()
+    assert pool.get_num_free_blocks() == free_before
+
+
+@pytest.mark.parametrize("stored, expect", [(2, 512), (1, 256), (0, 0)])
+def test_hits_are_whole_store_blocks_loaded_async(harness, stored, expect):
+    h = harness()
+    tokens = prompt(700)
+    store_blocks(h, tokens, stored)
+    req = h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    loads = meta(so).loads
+    if not expect:
+        assert loads == [] and req.num_computed_tokens == so.num_scheduled_tokens[req.request_id]
+        return
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req.request_id not in so.num_scheduled_tokens
+    assert [(t.first, len(t.chain)) for t in loads] == [(0, stored)]
+    ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert loads[0].block_ids == [[ids[s * 8 : (s + 1) * 8] for s in range(stored)]]
+    h.step(KVConnectorOutput(finished_recving={req.request_id}))
+    assert req.num_computed_tokens == expect  # rescheduled from the end of the hit
+
+
+def test_full_hit_recomputes_the_last_token(harness):
+    h = harness()
+    tokens = prompt(512)
+    store_blocks(h, tokens, 2)
+    req = h.add_request(tokens, max_tokens=1)
+    h.step()
+    h.step(KVConnectorOutput(finished_recving={req.request_id}))
+    so, _ = h.step()
+    assert so.num_scheduled_tokens[req.request_id] == 1
+
+
+def test_local_hit_blocks_are_not_overwritten(harness):
+    h = harness()
+    tokens = prompt(800)
+    first = h.add_request(tokens[:300], max_tokens=1)
+    drain(h)
+    store_blocks(h, tokens, 3)
+    req = h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    (load,) = meta(so).loads
+    # vLLM holds 9 engine blocks (288 tokens) of the first request: the load starts at
+    # store block 1 (tokens 256..511), whose first engine block (8) is one of them
+    assert load.first == 1 and len(load.chain) == 2
+    flat = [b for ids in load.block_ids[0] for b in ids]
+    assert flat[0] == 0  # never written: it may be shared with other requests
+    assert all(flat[1:])
+    held = set(h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0][:9])
+    assert held.isdisjoint(flat[1:])
+    assert first.request_id != req.request_id
+
+
+def test_load_failure_is_recomputed(harness):
+    h = harness()
+    tokens = prompt(600)
+    store_blocks(h, tokens, 2)
+    req = h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    ids = meta(so).loads[0].block_ids[0]
+    # the worker reports the second store block's engine blocks as failed
+    h.step(KVConnectorOutput(finished_recving={req.request_id}, invalid_block_ids=set(ids[1])))
+    # recomputation starts at the first failed block, not at the end of the hit
+    assert req.num_computed_tokens == 256
+    drain(h)
+    assert req.is_finished()
+
+
+def test_aborted_request_with_dumps_is_delayed_then_released(harness):
+    h = harness(max_num_batched_tokens=256)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    req = h.add_request(prompt(900), max_tokens=4)
+    h.step()
+    h.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    so, _ = h.step()
+    assert meta(so).delayed == [req.request_id]
+    h.step(KVConnectorOutput(finished_sending={req.request_id}))
+    assert pool.get_num_free_blocks() == free_before
+    assert h.connector.scheduler.requests == {}
+
+
+def test_preempted_request_is_announced_and_resumes(harness):
+    h = harness(num_blocks=40, max_num_batched_tokens=512)
+    a = h.add_request(prompt(600, seed=1), max_tokens=100)
+    b = h.add_request(prompt(600, seed=2), max_tokens=100)
+    preempted = set()
+    for _ in range(2000):
+        if not h.scheduler.has_requests():
+            break
+        so, _ = h.step()
+        preempted |= set(meta(so).preempted)
+        for req_id in meta(so).delayed:
+            h.step(KVConnectorOutput(finished_sending={req_id}))
+    assert preempted
+    assert a.is_finished() and b.is_finished()
