@@ -70,6 +70,7 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the documentation site; warnings are errors."""
     session.install("mkdocs-material>=9.5", "-e", CORE)
+    session.install("--no-deps", "-e", VLLM)  # its settings, for the configuration reference
     session.run("mkdocs", "build", "--strict", *session.posargs)
 
 

@@ -47,6 +47,12 @@ def _sections() -> list[tuple[str, type]]:
     sections = list(ucm_config.DOCUMENTED_CLASSES)
     if all(cls is not SliceWritePolicy for _, cls in sections):
         sections.append(("Slice writes", SliceWritePolicy))
+    try:  # the adapters' settings, where their packages are installed
+        from ucm.vllm.config import ConnectorConfig
+    except ImportError:
+        log.warning("config reference: ucm-vllm is not installed; its settings are missing")
+    else:
+        sections.append(("vLLM connector (kv_connector_extra_config)", ConnectorConfig))
     return sections
 
 
@@ -92,6 +98,8 @@ def _allowed(field: attrs.Attribute[Any], anchors: dict[type, tuple[str, str]]) 
     check = field.validator
     if check is None:
         return ""
+    if isinstance(getattr(check, "allowed", None), str):  # a validator that describes itself
+        return str(check.allowed)  # type: ignore[union-attr]
     outer = getattr(check, "__qualname__", "").split(".")[0]
     bound = inspect.getclosurevars(check).nonlocals if inspect.isfunction(check) else {}
     if outer == "one_of":

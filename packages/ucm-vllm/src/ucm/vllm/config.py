@@ -28,6 +28,11 @@ def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object)
         raise ConfigError(attribute.name, f"must be a non-empty string or null, got {value!r}")
 
 
+# what the configuration reference shows for these two
+_is_store.allowed = "the settings of a posix, dram or tiered store (above)"  # type: ignore[attr-defined]
+_optional_str.allowed = "non-empty, or `null`"  # type: ignore[attr-defined]
+
+
 @attrs.frozen
 class ConnectorConfig:
     """Settings of ``UCMConnector`` (``kv_connector_extra_config``)."""
