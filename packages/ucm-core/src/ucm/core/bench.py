@@ -108,10 +108,10 @@ def _lookup_prefix_ms(store: Store, srcs: list, count: int = 512) -> float:
 def run_store_bench(args: argparse.Namespace) -> int:
     own_dir = args.path is None
     # By default, beside the default store: the disk a store would use unless told otherwise.
-    base = os.path.dirname(default_store_path())
+    parent = os.path.dirname(default_store_path())
     if own_dir:
-        os.makedirs(base, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="ucm-bench-", dir=base) if own_dir else args.path
+        os.makedirs(parent, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="ucm-bench-", dir=parent) if own_dir else args.path
     os.makedirs(root, exist_ok=True)
     rows: list[dict[str, object]] = []
     summary: dict[str, object] = {"path": root, "total_gb": args.total_gb, "cases": rows}
