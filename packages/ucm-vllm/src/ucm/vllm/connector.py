@@ -148,7 +148,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         return self._work().take_load_errors()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        return  # dumps are gathered synchronously; wait_for_save waits preempted writes
+        self._work().handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
         if self.worker is not None:

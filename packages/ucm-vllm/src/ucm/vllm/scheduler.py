@@ -104,7 +104,10 @@ class SchedulerSide:
         state = self.requests[request.request_id]
         bt = self.layout.block_tokens
         local = state.local
-        first, end = local // bt, (local + num_external_tokens) // bt
+        # Whole store blocks covering the external tokens (vLLM asked for whole blocks; if it
+        # ever trims the count, the last block is still loaded whole and its tail recomputed).
+        first = local // bt
+        end = min(-(-(local + num_external_tokens) // bt), len(state.chain))
         block_ids = blocks.get_block_ids()
         per_group = []
         for group in self.layout.stored_groups:
@@ -115,7 +118,7 @@ class SchedulerSide:
             skip = local // group.engine_block_tokens
             per_group.append(
                 [
-                    [ids[j] if j >= skip else 0 for j in range(s * k, (s + 1) * k)]
+                    [ids[j] if skip <= j < len(ids) else 0 for j in range(s * k, (s + 1) * k)]
                     for s in range(first, end)
                 ]
             )

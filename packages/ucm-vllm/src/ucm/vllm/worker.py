@@ -132,12 +132,15 @@ class WorkerSide:
 
     # -- dumps --
 
+    def handle_preemptions(self, meta: UCMConnectorMetadata) -> None:
+        """Before the forward pass that may reuse the preempted requests' blocks."""
+        if meta.preempted:
+            # Gathers copy synchronously, so the engine blocks are free to reuse already;
+            # waiting the writes lets the resumed request find its prefix in the store.
+            self.tracker.flush(meta.preempted, timeout=10.0)
+
     def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
         self.delayed += meta.delayed
-        if meta.preempted:
-            # Gathers are synchronous, so the blocks are free already; wait the writes so
-            # that a resumed request finds its prefix stored.
-            self.tracker.flush(meta.preempted, timeout=30.0)
         if self.store is None:
             return
         for transfer in meta.dumps:
