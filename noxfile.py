@@ -101,6 +101,14 @@ def _install_vllm(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench_vllm(session: nox.Session) -> None:
+    """vLLM with and without the connector: warm/cold time to first token, vLLM's floor plus
+    a raw read, and the overhead with no reuse; ratios of one run, JSON last."""
+    _install_vllm(session)
+    session.run("python", "-m", "ucm.vllm.bench", "--json", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: vLLM with UCMConnector; a cold process stores a 4K-token prompt's KV,
     a fresh warm process loads it, with time to first token for both."""

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 DEMO_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -55,59 +56,82 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def serve_once(model: str, store: str, tokens: int, max_tokens: int = 8) -> dict[str, object]:
-    """One engine process: time to first token of the prompt, then the full output."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def make_llm(model: str, store: str | None, max_len: int) -> Any:
+    """The engine every demo and benchmark run uses; ``store=None``: no connector."""
+    from vllm import LLM
 
-    llm = LLM(
+    kwargs: dict[str, Any] = {}
+    if store is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "UCMConnector",
+            "kv_connector_module_path": "ucm.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"store": {"kind": "posix", "path": store}},
+        }
+    return LLM(
         model=model,
         load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
         block_size=32,
-        max_model_len=tokens + 64,
-        max_num_batched_tokens=tokens + 64,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
         gpu_memory_utilization=0.3,
         seed=0,
-        kv_transfer_config={
-            "kv_connector": "UCMConnector",
-            "kv_connector_module_path": "ucm.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"store": {"kind": "posix", "path": store}},
-        },
+        **kwargs,
     )
+
+
+def random_prompt(tokens: int, seed: int) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(seed)
+    return TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(tokens)])
+
+
+def serve_once(
+    model: str, store: str | None, tokens: int, max_tokens: int = 8
+) -> dict[str, object]:
+    """One engine process: time to first token of the prompt, the full output, and the time
+    to first token of the same prompt again (vLLM's own prefix cache: the floor)."""
+    from vllm import SamplingParams
+
+    llm = make_llm(model, store, tokens + 64)
+    first_token = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
     # Warm the engine up on an unrelated short prompt, so that the timing is the prefill's.
-    warmup = TokensPrompt(
-        prompt_token_ids=[random.Random(1).randrange(3, 32000) for _ in range(64)]
-    )
-    llm.generate([warmup], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-    rng = random.Random(0)
-    prompt = TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(tokens)])
+    llm.generate([random_prompt(64, seed=1)], first_token, use_tqdm=False)
+    prompt = random_prompt(tokens, seed=0)
     t0 = time.perf_counter()
-    first = llm.generate(
-        [prompt], SamplingParams(max_tokens=1, temperature=0, detokenize=False), use_tqdm=False
-    )
+    first = llm.generate([prompt], first_token, use_tqdm=False)
     ttft = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False)
     full = llm.generate([prompt], params, use_tqdm=False)[0]
+    t0 = time.perf_counter()
+    llm.generate([prompt], first_token, use_tqdm=False)
+    floor = time.perf_counter() - t0
     return {
         "ttft_s": ttft,
+        "floor_s": floor,
         "cached_tokens": first[0].num_cached_tokens,
         "prompt_tokens": tokens,
         "output": list(full.outputs[0].token_ids),
     }
 
 
-def _child(model: str, store: str, tokens: int) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "ucm.vllm.demo", "--role", "--model", model, "--path", store,
-           "--tokens", str(tokens)]  # fmt: skip
+def run_child(module: str, *args: str) -> dict[str, Any]:
+    """``python -m module --role ARGS`` in a fresh process; its ``RESULT`` line as a dict."""
+    cmd = [sys.executable, "-m", module, "--role", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env())
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            result: dict[str, Any] = json.loads(line[7:])
+            return result
     sys.stderr.write(proc.stderr[-5000:])
     raise SystemExit(f"the engine process failed (exit {proc.returncode})")
+
+
+def _child(model: str, store: str, tokens: int) -> dict[str, Any]:
+    return run_child("ucm.vllm.demo", "--model", model, "--path", store, "--tokens", str(tokens))
 
 
 def main(argv: list[str] | None = None) -> int:
