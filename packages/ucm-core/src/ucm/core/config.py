@@ -301,9 +301,42 @@ def parse_store_config(data: object, where: str = "store") -> StoreConfig:
     return from_dict(cls, data, where)
 
 
+# --- hybrid models (full-attention and window KV-cache groups; see ucm.core.hybrid) ----------
+
+
+def wa_dump_block_wise_setting() -> Any:
+    """The ``wa_dump_block_wise`` field, for an engine adapter's settings class to reuse."""
+    return setting(
+        "Hybrid models: store the window groups' tail at every canonical block boundary "
+        "(true), so that any stored prefix can be resumed, or only at the last boundary each "
+        "prefill chunk reaches (false: fewer writes, hits only at chunk ends).",
+        default=True,
+        validator=boolean,
+    )
+
+
+def wa_capacity_fraction_setting() -> Any:
+    """The ``wa_capacity_fraction`` field, for an engine adapter's settings class to reuse."""
+    return setting(
+        "Hybrid models: share of the store's capacity given to the window groups' tails; "
+        "the full-attention blocks get the rest (posix stores: subdirectories fa/ and wa/).",
+        default=0.5,
+        validator=fraction,
+    )
+
+
+@attrs.frozen
+class HybridSettings:
+    """Hybrid models: how the window groups' tails are stored (see Hybrid models)."""
+
+    wa_dump_block_wise: bool = wa_dump_block_wise_setting()
+    wa_capacity_fraction: float = wa_capacity_fraction_setting()
+
+
 #: Every class documented in the configuration reference, in order.
 DOCUMENTED_CLASSES: list[tuple[str, type]] = [
     ("store (kind: posix)", PosixStoreConfig),
     ("store (kind: dram)", DramStoreConfig),
     ("store (kind: tiered)", TieredStoreConfig),
+    ("Hybrid models", HybridSettings),
 ]
