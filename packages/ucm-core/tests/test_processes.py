@@ -659,3 +659,30 @@ def test_full_filesystem_fails_dumps_without_partial_blocks(tiny_tmpfs):
     done = ucm("store", "verify", str(root))
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"OK: {len(stored) - 1} blocks checked, 0 corrupt" in done.stdout
+
+
+def test_read_only_filesystem_serves_loads_and_refuses_dumps(tiny_tmpfs):
+    root = tiny_tmpfs / "store"
+    keys = [key_of(i, b"ro") for i in range(4)]
+    data = {k: random.Random(k).randbytes(32 * 1024) for k in keys}
+    with open_store(root) as store:
+        assert all(r.ok for r in store.wait(store.dump(keys[:3], [data[k] for k in keys[:3]])))
+        assert not store.read_only
+    remount = subprocess.run(
+        ["mount", "-o", "remount,ro", str(tiny_tmpfs)], capture_output=True, text=True
+    )
+    if remount.returncode != 0:
+        pytest.skip(f"cannot remount read-only here: {remount.stderr.strip()}")
+    # a shared cache built elsewhere and mounted read-only: hits load, dumps fail cleanly
+    with open_store(root) as store:
+        assert store.read_only
+        assert store.lookup_prefix(keys) == 3
+        outs = [bytearray(len(data[k])) for k in keys]
+        results = store.wait(store.load(keys, outs))
+        assert [r.status for r in results] == [Status.OK] * 3 + [Status.MISS]
+        assert all(bytes(o) == data[k] for o, k in zip(outs[:3], keys))
+        (r,) = store.wait(store.dump(keys[3:], [data[keys[3]]]))
+        assert r.status is Status.ERROR and "read-only" in r.detail
+    # a store path that does not exist on a read-only filesystem is an error naming it
+    with pytest.raises(OSError, match="cannot use .* as a UCM store"):
+        open_store(tiny_tmpfs / "elsewhere")

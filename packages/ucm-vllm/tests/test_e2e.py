@@ -94,6 +94,49 @@ def test_unusable_store_path_keeps_serving(reference, tiny_model, prompts, tmp_p
     assert "store unavailable, serving without it" in run["log"]
 
 
+def test_read_only_store_serves_hits_and_stores_nothing(
+    reference, cold, tiny_model, prompts, store_dir, tmpfs
+):
+    import shutil
+    import subprocess
+
+    mnt = tmpfs("64m")
+    shutil.copytree(store_dir, mnt / "store")
+    remount = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True)
+    if remount.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {remount.stderr!r}")
+    run = run_engine(
+        {
+            "model": tiny_model,
+            "prompts": prompts,
+            "store": {"kind": "posix", "path": str(mnt / "store")},
+        }
+    )
+    assert_same_outputs(reference, run)
+    assert "is read-only: blocks are loaded, never stored" in run["log"]
+    assert run["metrics"]["vllm:ucm_loaded_blocks"] >= 4
+    assert run["metrics"].get("vllm:ucm_dumped_blocks", 0) == 0
+    assert run["metrics"].get("vllm:ucm_dump_errors", 0) == 0  # none planned
+
+
+def test_full_store_keeps_serving(reference, tiny_model, prompts, tmpfs):
+    # room for two of the six blocks the prompts need (260 KiB each)
+    mnt = tmpfs("600k")
+    run = run_engine(
+        {
+            "model": tiny_model,
+            "prompts": prompts,
+            "store": {"kind": "posix", "path": str(mnt / "store")},
+        }
+    )
+    assert_same_outputs(reference, run)
+    assert run["metrics"]["vllm:ucm_dump_errors"] >= 1
+    assert "No space left on device" in run["log"]
+    stored = [p for p in (mnt / "store" / "blocks").rglob("*") if p.is_file()]
+    assert 1 <= len(stored) <= 2
+    assert not [p for p in stored if p.name.endswith(".tmp")]
+
+
 def test_unknown_setting_stops_start_up(tiny_model, prompts, tmp_path):
     with pytest.raises(AssertionError, match="kv_connector_extra_config.block_tokenz"):
         run_engine(

@@ -26,13 +26,14 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture
 def harness(tmp_path):
-    def make(**kw):
+    def make(load_mode: str = "auto", **kw):
         transfer = {
             "kv_connector": "UCMConnector",
             "kv_connector_module_path": "ucm.vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
-                "store": {"kind": "posix", "path": str(tmp_path / "store")}
+                "store": {"kind": "posix", "path": str(tmp_path / "store")},
+                "load_mode": load_mode,
             },
         }
         return SchedulerHarness.create(tmp_path, kv_transfer_config=transfer, **kw)
@@ -110,7 +111,7 @@ def test_request_without_dumps_is_freed_at_once(harness):
 
 @pytest.mark.parametrize("stored, expect", [(2, 512), (1, 256), (0, 0)])
 def test_hits_are_whole_store_blocks_loaded_async(harness, stored, expect):
-    h = harness()
+    h = harness(load_mode="async")
     tokens = prompt(700)
     store_blocks(h, tokens, stored)
     req = h.add_request(tokens, max_tokens=1)
@@ -128,14 +129,67 @@ def test_hits_are_whole_store_blocks_loaded_async(harness, stored, expect):
     assert req.num_computed_tokens == expect  # rescheduled from the end of the hit
 
 
-def test_full_hit_recomputes_the_last_token(harness):
-    h = harness()
+@pytest.mark.parametrize("stored", [2, 1, 0])
+def test_sync_hits_load_in_the_step_that_schedules_them(harness, stored):
+    h = harness(max_num_batched_tokens=1024)  # one KV-cache group: "auto" loads sync
+    tokens = prompt(700)
+    store_blocks(h, tokens, stored)
+    req = h.add_request(tokens, max_tokens=4)
+    so, _ = h.step()
+    # scheduled at once, from the end of the hit, with the load in the same step
+    assert so.num_scheduled_tokens[req.request_id] == 700 - 256 * stored
+    loads = meta(so).loads
+    if not stored:
+        assert loads == []
+        return
+    assert [(t.first, len(t.chain)) for t in loads] == [(0, stored)]
+    ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert loads[0].block_ids == [[ids[s * 8 : (s + 1) * 8] for s in range(stored)]]
+    assert so.has_sync_kv_loads
+
+
+def test_dumps_after_a_sync_load_wait_for_the_next_step(harness):
+    # The load step's forward may have run on blocks that failed to load (on any rank),
+    # so what it computes is dumped one step later, once vLLM kept it.
+    h = harness(max_num_batched_tokens=1024)
+    tokens = prompt(900)
+    store_blocks(h, tokens, 1)
+    req = h.add_request(tokens, max_tokens=4)
+    so, _ = h.step()
+    assert meta(so).loads and meta(so).dumps == []
+    so, _ = h.step()
+    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 2)]
+    assert req.num_computed_tokens >= 900
+
+
+def test_finished_in_its_load_step_still_dumps_what_it_computed(harness):
+    h = harness(max_num_batched_tokens=1024)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    tokens = prompt(900)
+    store_blocks(h, tokens, 1)
+    req = h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    assert meta(so).dumps == [] and req.is_finished()
+    so, _ = h.step()
+    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 2)]
+    assert meta(so).delayed == [req.request_id]
+    assert pool.get_num_free_blocks() < free_before  # held until the dump is reported
+    h.step(KVConnectorOutput(finished_sending={req.request_id}))
+    assert pool.get_num_free_blocks() == free_before
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_full_hit_recomputes_the_last_token(harness, load_mode):
+    h = harness(load_mode=load_mode)
     tokens = prompt(512)
     store_blocks(h, tokens, 2)
     req = h.add_request(tokens, max_tokens=1)
-    h.step()
-    h.step(KVConnectorOutput(finished_recving={req.request_id}))
     so, _ = h.step()
+    assert [(t.first, len(t.chain)) for t in meta(so).loads] == [(0, 2)]  # whole blocks
+    if load_mode == "async":
+        h.step(KVConnectorOutput(finished_recving={req.request_id}))
+        so, _ = h.step()
     assert so.num_scheduled_tokens[req.request_id] == 1
 
 
@@ -159,8 +213,8 @@ def test_local_hit_blocks_are_not_overwritten(harness):
     assert first.request_id != req.request_id
 
 
-def test_load_failure_is_recomputed(harness):
-    h = harness()
+def test_async_load_failure_is_recomputed(harness):
+    h = harness(load_mode="async")
     tokens = prompt(600)
     store_blocks(h, tokens, 2)
     req = h.add_request(tokens, max_tokens=1)
@@ -170,6 +224,29 @@ def test_load_failure_is_recomputed(harness):
     h.step(KVConnectorOutput(finished_recving={req.request_id}, invalid_block_ids=set(ids[1])))
     # recomputation starts at the first failed block, not at the end of the hit
     assert req.num_computed_tokens == 256
+    so, _ = h.step()
+    # the recomputed block is dumped again (the store dropped the corrupt one)
+    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 1)]
+    drain(h)
+    assert req.is_finished()
+
+
+def test_sync_load_failure_is_recomputed_and_dumped_again(harness):
+    h = harness(max_num_batched_tokens=1024)
+    tokens = prompt(900)
+    store_blocks(h, tokens, 3)
+    req = h.add_request(tokens, max_tokens=2)
+    so = h.scheduler.schedule()
+    ids = meta(so).loads[0].block_ids[0]
+    # the workers report the second store block's engine blocks as failed in the load
+    # step: vLLM discards the step's output for the request and recomputes from there
+    failed = KVConnectorOutput(invalid_block_ids=set(ids[1]))
+    h.scheduler.update_from_output(so, h.fake_runner_output(so, failed))
+    assert req.num_computed_tokens == 256
+    so, _ = h.step()
+    assert so.num_scheduled_tokens[req.request_id] == 900 - 256
+    # blocks 1 and 2, computed again, are dumped again (the store dropped the bad ones)
+    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 2)]
     drain(h)
     assert req.is_finished()
 

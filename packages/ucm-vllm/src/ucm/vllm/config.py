@@ -13,7 +13,9 @@ from ucm.core.config import (
     boolean,
     from_dict,
     int_in_range,
+    one_of,
     parse_store_config,
+    positive_number,
     setting,
     with_config_file,
 )
@@ -60,6 +62,27 @@ class ConnectorConfig:
         default=None,
         validator=_optional_str,
     )
+    load_mode: str = setting(
+        "When store hits are loaded. ``sync``: before the forward pass of the step that "
+        "schedules the request (the shortest time to first token; the step waits for the "
+        "read). ``async``: in the background, the request joins a later step (other "
+        "requests run meanwhile). ``auto``: sync for models with one KV-cache group, async "
+        "otherwise (vLLM takes per-block load errors only from single-group models).",
+        default="auto",
+        validator=one_of("auto", "sync", "async"),
+    )
+    load_timeout_s: float = setting(
+        "Seconds a sync load may wait for the store; blocks not read by then are recomputed.",
+        default=10.0,
+        validator=positive_number,
+    )
+    staging_mib: int = setting(
+        "Host memory (MiB) kept for moving blocks between the KV cache and the store, "
+        "touched (and pinned, with a GPU) at start-up so that the first load does not pay "
+        "for it; transfers larger than this allocate more for their duration.",
+        default=128,
+        validator=int_in_range(0, 1 << 20),
+    )
     recompute_on_load_error: bool = setting(
         "Make vLLM recompute blocks that fail to load (sets kv_load_failure_policy to "
         "'recompute'); false keeps vLLM's policy, which by default fails the request.",
@@ -72,3 +95,15 @@ def connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     """Build from ``kv_connector_extra_config`` (with ``config_file`` resolved)."""
     data = with_config_file(extra or {})
     return from_dict(ConnectorConfig, data, "kv_connector_extra_config")
+
+
+def sync_loads(config: ConnectorConfig, num_groups: int) -> bool:
+    """Whether hits load before the forward pass (see ``load_mode``)."""
+    if config.load_mode == "sync" and num_groups > 1:
+        # vLLM maps per-block load errors back to requests only with one KV-cache group.
+        raise ConfigError(
+            "kv_connector_extra_config.load_mode",
+            f"'sync' needs a model with one KV-cache group, this one has {num_groups}; "
+            "use 'auto' or 'async'",
+        )
+    return config.load_mode == "sync" or (config.load_mode == "auto" and num_groups == 1)

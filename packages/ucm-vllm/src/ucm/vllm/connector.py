@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from ucm.core.store import Store, create_store
-from ucm.vllm.config import connector_config
+from ucm.vllm.config import connector_config, sync_loads
 from ucm.vllm.layout import describe
 from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
@@ -68,13 +68,23 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 "UCMConnector: this model has window-attention KV-cache groups; it is served "
                 "without reuse (hybrid models are not supported yet)"
             )
+        sync = sync_loads(self.config, len(kv_cache_config.kv_cache_groups))
         store = _open_store(self.config.store)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.layout, store, self.config.load_tokens_threshold)
+            self.scheduler = SchedulerSide(
+                self.layout, store, self.config.load_tokens_threshold, sync_loads=sync
+            )
         else:
-            self.worker = WorkerSide(self.layout, store, len(kv_cache_config.kv_cache_groups))
+            self.worker = WorkerSide(
+                self.layout,
+                store,
+                len(kv_cache_config.kv_cache_groups),
+                sync_loads=sync,
+                load_timeout_s=self.config.load_timeout_s,
+                staging_bytes=self.config.staging_mib << 20,
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -107,12 +117,12 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request)
+        return self._sched().request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request)
+        return self._sched().request_finished(request, block_ids)
 
     # -- worker side --
 
@@ -123,7 +133,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before vLLM schedules the request
+        return  # sync loads complete in start_load_kv, async ones before vLLM schedules
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

@@ -27,16 +27,27 @@ class RequestState:
     local: int = 0  # tokens vLLM holds itself (block-aligned), as of the last lookup
     next_dump: int = 0  # first store block not yet planned for a dump
     dumped: bool = False  # any dump planned: its blocks are freed only when the dumps are done
+    loaded_to: int = 0  # tokens the last planned load makes computed; 0 once checked
+    load_step: bool = False  # scheduled with a sync load this step: no dumps planned in it
 
 
 class SchedulerSide:
-    def __init__(self, layout: ModelLayout, store: Store | None, load_threshold: int) -> None:
+    def __init__(
+        self,
+        layout: ModelLayout,
+        store: Store | None,
+        load_threshold: int,
+        sync_loads: bool = False,
+    ) -> None:
         self.layout = layout
         self.store = store
         self.load_threshold = load_threshold
+        self.sync_loads = sync_loads
         self.enabled = store is not None and not any(g.kind == "window" for g in layout.groups)
+        self.dumps = self.enabled and not (store is not None and store.read_only)
         self.requests: dict[str, RequestState] = {}
         self.pending_loads: list[Transfer] = []
+        self.pending_dumps: list[Transfer] = []  # of requests that finished, not yet planned
         self.delayed: list[str] = []
         self.stats = UCMStats()
 
@@ -94,9 +105,13 @@ class SchedulerSide:
         state.next_dump = max(state.next_dump, state.stored)
         state.local = num_computed_tokens
         hit = state.stored * self.layout.block_tokens - num_computed_tokens
+        if self.sync_loads:
+            # vLLM must compute at least the last prompt token to sample the next one (an
+            # async load gets the same from vLLM once it completes).
+            hit = min(hit, request.num_tokens - 1 - num_computed_tokens)
         if hit <= 0 or hit < self.load_threshold:
             return 0, False
-        return hit, True  # loaded asynchronously: a failure can then be reported per request
+        return hit, not self.sync_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -125,43 +140,78 @@ class SchedulerSide:
         self.pending_loads.append(
             Transfer(request.request_id, first, state.chain[first:end], per_group)
         )
+        state.loaded_to = min(local + num_external_tokens, request.num_tokens - 1)
+        state.load_step = self.sync_loads
         self.stats.add(lookup_hit_tokens=num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
-        meta = UCMConnectorMetadata(loads=self.pending_loads, delayed=self.delayed)
-        self.pending_loads, self.delayed = [], []
+        meta = UCMConnectorMetadata(
+            loads=self.pending_loads, dumps=self.pending_dumps, delayed=self.delayed
+        )
+        self.pending_loads, self.pending_dumps, self.delayed = [], [], []
         meta.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if not self.enabled:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        bt = self.layout.block_tokens
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or not state.chain or block_state is None:
                 continue
-            computed = state.request.num_computed_tokens + n_scheduled
-            end = min(computed // bt, len(state.chain))
-            if end <= state.next_dump:
+            if state.load_step:
+                # The forward pass of a sync load's step may run on blocks that failed to
+                # load (on any rank): what it computes is dumped only once vLLM has kept
+                # it, from the next step on.
+                state.load_step = False
                 continue
-            block_ids = block_state.get_block_ids(req_id)
-            per_group = []
-            for group in self.layout.stored_groups:
-                k = group.blocks_per_store_block(bt)
-                ids = block_ids[group.index]
-                per_group.append(
-                    [list(ids[s * k : (s + 1) * k]) for s in range(state.next_dump, end)]
-                )
-            meta.dumps.append(
-                Transfer(req_id, state.next_dump, state.chain[state.next_dump : end], per_group)
-            )
-            state.next_dump = end
-            state.dumped = True
+            computed = state.request.num_computed_tokens
+            if state.loaded_to:
+                if computed < state.loaded_to:
+                    # The load failed from here and vLLM recomputes: dump what it computes.
+                    state.next_dump = min(state.next_dump, computed // self.layout.block_tokens)
+                state.loaded_to = 0
+            if not self.dumps:
+                continue
+            transfer = self._dump(state, computed + n_scheduled, block_state.get_block_ids(req_id))
+            if transfer is not None:
+                meta.dumps.append(transfer)
         return meta
 
-    def request_finished(self, request: Any) -> tuple[bool, None]:
+    def _dump(self, state: RequestState, computed: int, block_ids: Any) -> Transfer | None:
+        """Plan the store blocks completed up to ``computed`` tokens and not planned yet."""
+        bt = self.layout.block_tokens
+        end = min(computed // bt, len(state.chain))
+        if end <= state.next_dump:
+            return None
+        per_group = []
+        for group in self.layout.stored_groups:
+            k = group.blocks_per_store_block(bt)
+            ids = block_ids[group.index]
+            per_group.append([list(ids[s * k : (s + 1) * k]) for s in range(state.next_dump, end)])
+        transfer = Transfer(
+            state.request.request_id, state.next_dump, state.chain[state.next_dump : end], per_group
+        )
+        state.next_dump = end
+        state.dumped = True
+        return transfer
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        """``block_ids``: the request's block ids per KV-cache group."""
         state = self.requests.pop(request.request_id, None)
-        if state is None or not state.dumped:
+        if state is None:
+            return False, None
+        if self.dumps and state.chain and not _aborted(request):
+            # Blocks computed in a step whose dumps were held back (a sync load's step).
+            transfer = self._dump(state, request.num_computed_tokens, block_ids)
+            if transfer is not None:
+                self.pending_dumps.append(transfer)
+        if not state.dumped:
             return False, None
         # The workers report the request in finished_sending once its dumps are done.
         self.delayed.append(request.request_id)
         return True, None
+
+
+def _aborted(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return bool(request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))

@@ -162,6 +162,11 @@ def check_batch(
 class Store(abc.ABC):
     """Batched, asynchronous block storage.  Thread-safe."""
 
+    @property
+    def read_only(self) -> bool:
+        """Whether every dump fails (a read-only cache): callers need not plan any."""
+        return False
+
     @abc.abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored (a hint: a later load may still miss)."""

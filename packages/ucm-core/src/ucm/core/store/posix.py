@@ -123,8 +123,11 @@ def _temp_is_stale(name: str, mtime: float, now: float, host: str, stale_seconds
     return False
 
 
-def scan_store(root: str, *, stale_temp_seconds: float = 3600.0) -> ScanResult:
-    """Every block file under ``root``; removes stale temporary files on the way."""
+def scan_store(
+    root: str, *, stale_temp_seconds: float = 3600.0, remove_temps: bool = True
+) -> ScanResult:
+    """Every block file under ``root``; removes stale temporary files on the way (unless
+    ``remove_temps`` is false: a read-only store)."""
     blocks_dir = os.path.join(root, BLOCKS_DIR)
     blocks: list[BlockFile] = []
     foreign: list[str] = []
@@ -133,7 +136,11 @@ def scan_store(root: str, *, stale_temp_seconds: float = 3600.0) -> ScanResult:
     host = _host_tag()
     for entry in os.scandir(root) if os.path.isdir(root) else ():
         # a marker temp file of a writer killed mid-write
-        if entry.name.startswith(f".{MARKER}~") and now - entry.stat().st_mtime > 60:
+        if (
+            remove_temps
+            and entry.name.startswith(f".{MARKER}~")
+            and now - entry.stat().st_mtime > 60
+        ):
             try:
                 os.unlink(entry.path)
                 removed += 1
@@ -158,7 +165,9 @@ def scan_store(root: str, *, stale_temp_seconds: float = 3600.0) -> ScanResult:
             except FileNotFoundError:
                 continue  # evicted or renamed meanwhile
             if name.startswith(".") and name.endswith(".tmp"):
-                if _temp_is_stale(name, st.st_mtime, now, host, stale_temp_seconds):
+                if remove_temps and _temp_is_stale(
+                    name, st.st_mtime, now, host, stale_temp_seconds
+                ):
                     try:
                         os.unlink(entry.path)
                         removed += 1
@@ -275,14 +284,26 @@ class PosixStore(Store):
         self.config = config or PosixStoreConfig()
         self.root = os.path.abspath(os.path.expanduser(self.config.path))
         self._blocks_dir = os.path.join(self.root, BLOCKS_DIR)
+        self._read_only = False
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             os.makedirs(self._blocks_dir, mode=0o700, exist_ok=True)
             _write_marker(self.root, self.config.capacity_bytes)
         except OSError as exc:
-            raise OSError(
-                exc.errno, f"cannot use {self.root!r} as a UCM store: {exc.strerror}"
-            ) from None
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not os.path.isdir(
+                self._blocks_dir
+            ):
+                raise OSError(
+                    exc.errno, f"cannot use {self.root!r} as a UCM store: {exc.strerror}"
+                ) from None
+            self._read_only = True
+        if not self._read_only and not os.access(self._blocks_dir, os.W_OK):
+            self._read_only = True  # e.g. a read-only mount where the marker was current
+        if self._read_only:
+            # A shared cache built elsewhere: serve hits from it, store nothing.
+            log.warning(
+                "ucm posix store %s is read-only: blocks are loaded, never stored", self.root
+            )
         self._capacity = self.config.capacity_bytes
         self._direct = self.config.o_direct and bool(_O_DIRECT)
         self._host = _host_tag()
@@ -309,7 +330,11 @@ class PosixStore(Store):
 
     def _initial_scan(self) -> None:
         try:
-            scan = scan_store(self.root, stale_temp_seconds=self.config.stale_temp_seconds)
+            scan = scan_store(
+                self.root,
+                stale_temp_seconds=self.config.stale_temp_seconds,
+                remove_temps=not self._read_only,
+            )
             with self._lock:
                 early = self._published_before_scan
                 for block in scan.blocks:
@@ -400,9 +425,15 @@ class PosixStore(Store):
 
     # -- dump --
 
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
     def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         self._check_open()
         views = check_batch(keys, buffers, writable=False)
+        if self._read_only:
+            return Task.completed([KeyResult(Status.ERROR, "the store is read-only")] * len(keys))
         return self._run(len(keys), lambda i: self._dump_one(bytes(keys[i]), views[i], layout))
 
     def _dump_one(self, key: bytes, payload: memoryview, layout: bytes) -> KeyResult:
