@@ -56,6 +56,17 @@ def meta(so):
     return so.kv_connector_metadata
 
 
+def span(t, group: int = 0) -> tuple[int, int]:
+    """(first key, number of keys) of a transfer's blocks of ``group``."""
+    keys = t.keys(group)
+    assert keys == list(range(keys[0], keys[0] + len(keys)))
+    return keys[0], len(keys)
+
+
+def ids(t, group: int = 0) -> list[list[int]]:
+    return [it.block_ids for it in t.items if it.group == group]
+
+
 def drain(h, max_steps: int = 2000) -> None:
     """Step to idle, answering as the workers would: dumps done, loads done."""
     reply = None
@@ -76,10 +87,10 @@ def test_cold_chunked_prefill_plans_each_store_block_once(harness):
     plans = []
     for _ in range(3):
         so, _ = h.step()
-        plans.append([(t.first, len(t.chain), t.block_ids) for t in meta(so).dumps])
+        plans.append([(*span(t), ids(t)) for t in meta(so).dumps])
     assert [[(f, n) for f, n, _ in p] for p in plans] == [[(0, 1)], [(1, 1)], []]
-    ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
-    assert plans[0][0][2] == [[ids[:8]]] and plans[1][0][2] == [[ids[8:16]]]
+    engine = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert plans[0][0][2] == [engine[:8]] and plans[1][0][2] == [engine[8:16]]
 
 
 def test_finished_request_keeps_blocks_until_dumps_are_reported(harness):
@@ -88,7 +99,7 @@ def test_finished_request_keeps_blocks_until_dumps_are_reported(harness):
     free_before = pool.get_num_free_blocks()
     req = h.add_request(prompt(300), max_tokens=1)
     so, _ = h.step()
-    assert [t.first for t in meta(so).dumps] == [0]
+    assert [span(t)[0] for t in meta(so).dumps] == [0]
     delayed = []
     while not delayed:
         so, _ = h.step()
@@ -122,9 +133,9 @@ def test_hits_are_whole_store_blocks_loaded_async(harness, stored, expect):
         return
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert req.request_id not in so.num_scheduled_tokens
-    assert [(t.first, len(t.chain)) for t in loads] == [(0, stored)]
-    ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
-    assert loads[0].block_ids == [[ids[s * 8 : (s + 1) * 8] for s in range(stored)]]
+    assert [span(t) for t in loads] == [(0, stored)]
+    engine = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert ids(loads[0]) == [engine[s * 8 : (s + 1) * 8] for s in range(stored)]
     h.step(KVConnectorOutput(finished_recving={req.request_id}))
     assert req.num_computed_tokens == expect  # rescheduled from the end of the hit
 
@@ -142,9 +153,9 @@ def test_sync_hits_load_in_the_step_that_schedules_them(harness, stored):
     if not stored:
         assert loads == []
         return
-    assert [(t.first, len(t.chain)) for t in loads] == [(0, stored)]
-    ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
-    assert loads[0].block_ids == [[ids[s * 8 : (s + 1) * 8] for s in range(stored)]]
+    assert [span(t) for t in loads] == [(0, stored)]
+    engine = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert ids(loads[0]) == [engine[s * 8 : (s + 1) * 8] for s in range(stored)]
     assert so.has_sync_kv_loads
 
 
@@ -158,7 +169,7 @@ def test_dumps_after_a_sync_load_wait_for_the_next_step(harness):
     so, _ = h.step()
     assert meta(so).loads and meta(so).dumps == []
     so, _ = h.step()
-    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 2)]
+    assert [span(t) for t in meta(so).dumps] == [(1, 2)]
     assert req.num_computed_tokens >= 900
 
 
@@ -172,7 +183,7 @@ def test_finished_in_its_load_step_still_dumps_what_it_computed(harness):
     so, _ = h.step()
     assert meta(so).dumps == [] and req.is_finished()
     so, _ = h.step()
-    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 2)]
+    assert [span(t) for t in meta(so).dumps] == [(1, 2)]
     assert meta(so).delayed == [req.request_id]
     assert pool.get_num_free_blocks() < free_before  # held until the dump is reported
     h.step(KVConnectorOutput(finished_sending={req.request_id}))
@@ -186,7 +197,7 @@ def test_full_hit_recomputes_the_last_token(harness, load_mode):
     store_blocks(h, tokens, 2)
     req = h.add_request(tokens, max_tokens=1)
     so, _ = h.step()
-    assert [(t.first, len(t.chain)) for t in meta(so).loads] == [(0, 2)]  # whole blocks
+    assert [span(t) for t in meta(so).loads] == [(0, 2)]  # whole blocks
     if load_mode == "async":
         h.step(KVConnectorOutput(finished_recving={req.request_id}))
         so, _ = h.step()
@@ -204,8 +215,8 @@ def test_local_hit_blocks_are_not_overwritten(harness):
     (load,) = meta(so).loads
     # vLLM holds 9 engine blocks (288 tokens) of the first request: the load starts at
     # store block 1 (tokens 256..511), whose first engine block (8) is one of them
-    assert load.first == 1 and len(load.chain) == 2
-    flat = [b for ids in load.block_ids[0] for b in ids]
+    assert span(load) == (1, 2)
+    flat = [b for block in ids(load) for b in block]
     assert flat[0] == 0  # never written: it may be shared with other requests
     assert all(flat[1:])
     held = set(h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0][:9])
@@ -219,14 +230,14 @@ def test_async_load_failure_is_recomputed(harness):
     store_blocks(h, tokens, 2)
     req = h.add_request(tokens, max_tokens=1)
     so, _ = h.step()
-    ids = meta(so).loads[0].block_ids[0]
+    failing = ids(meta(so).loads[0])
     # the worker reports the second store block's engine blocks as failed
-    h.step(KVConnectorOutput(finished_recving={req.request_id}, invalid_block_ids=set(ids[1])))
+    h.step(KVConnectorOutput(finished_recving={req.request_id}, invalid_block_ids=set(failing[1])))
     # recomputation starts at the first failed block, not at the end of the hit
     assert req.num_computed_tokens == 256
     so, _ = h.step()
     # the recomputed block is dumped again (the store dropped the corrupt one)
-    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 1)]
+    assert [span(t) for t in meta(so).dumps] == [(1, 1)]
     drain(h)
     assert req.is_finished()
 
@@ -237,16 +248,16 @@ def test_sync_load_failure_is_recomputed_and_dumped_again(harness):
     store_blocks(h, tokens, 3)
     req = h.add_request(tokens, max_tokens=2)
     so = h.scheduler.schedule()
-    ids = meta(so).loads[0].block_ids[0]
+    failing = ids(meta(so).loads[0])
     # the workers report the second store block's engine blocks as failed in the load
     # step: vLLM discards the step's output for the request and recomputes from there
-    failed = KVConnectorOutput(invalid_block_ids=set(ids[1]))
+    failed = KVConnectorOutput(invalid_block_ids=set(failing[1]))
     h.scheduler.update_from_output(so, h.fake_runner_output(so, failed))
     assert req.num_computed_tokens == 256
     so, _ = h.step()
     assert so.num_scheduled_tokens[req.request_id] == 900 - 256
     # blocks 1 and 2, computed again, are dumped again (the store dropped the bad ones)
-    assert [(t.first, len(t.chain)) for t in meta(so).dumps] == [(1, 2)]
+    assert [span(t) for t in meta(so).dumps] == [(1, 2)]
     drain(h)
     assert req.is_finished()
 

@@ -17,6 +17,8 @@ from ucm.core.config import (
     parse_store_config,
     positive_number,
     setting,
+    wa_capacity_fraction_setting,
+    wa_dump_block_wise_setting,
     with_config_file,
 )
 
@@ -83,6 +85,8 @@ class ConnectorConfig:
         default=128,
         validator=int_in_range(0, 1 << 20),
     )
+    wa_dump_block_wise: bool = wa_dump_block_wise_setting()
+    wa_capacity_fraction: float = wa_capacity_fraction_setting()
     recompute_on_load_error: bool = setting(
         "Make vLLM recompute blocks that fail to load (sets kv_load_failure_policy to "
         "'recompute'); false keeps vLLM's policy, which by default fails the request.",

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ucm.core.store import Store, create_store
 from ucm.vllm.config import connector_config, sync_loads
 from ucm.vllm.layout import describe
 from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
+from ucm.vllm.stores import ConnectorStores
 from ucm.vllm.worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -33,14 +33,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 log = logging.getLogger(__name__)
-
-
-def _open_store(config: Any) -> Store | None:
-    try:
-        return create_store(config)
-    except OSError as exc:
-        log.warning("UCMConnector: store unavailable, serving without it: %s", exc)
-        return None
 
 
 class UCMConnector(KVConnectorBase_V1, SupportsHMA):
@@ -63,23 +55,29 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER and self.config.recompute_on_load_error:
             # A cache miss must never fail a request: recompute what could not be loaded.
             transfer.kv_load_failure_policy = "recompute"
-        if any(g.kind == "window" for g in self.layout.groups):
-            log.warning(
-                "UCMConnector: this model has window-attention KV-cache groups; it is served "
-                "without reuse (hybrid models are not supported yet)"
+        if self.layout.has_windows:
+            log.info(
+                "UCMConnector: hybrid model, window-group tails (blocks) per group: %s",
+                self.layout.hybrid.tail_blocks,
             )
         sync = sync_loads(self.config, len(kv_cache_config.kv_cache_groups))
-        store = _open_store(self.config.store)
+        stores = ConnectorStores.open(
+            self.config.store, self.layout.has_windows, self.config.wa_capacity_fraction
+        )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
-                self.layout, store, self.config.load_tokens_threshold, sync_loads=sync
+                self.layout,
+                stores,
+                self.config.load_tokens_threshold,
+                sync_loads=sync,
+                wa_dump_block_wise=self.config.wa_dump_block_wise,
             )
         else:
             self.worker = WorkerSide(
                 self.layout,
-                store,
+                stores,
                 len(kv_cache_config.kv_cache_groups),
                 sync_loads=sync,
                 load_timeout_s=self.config.load_timeout_s,
@@ -110,6 +108,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # Every group: full-attention blocks, and the window groups' tails at the hit.
+        return tuple(g.index for g in self.layout.groups)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)

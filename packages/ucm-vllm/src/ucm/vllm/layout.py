@@ -1,14 +1,19 @@
 """What the connector stores for a model: KV-cache groups, key scopes and block geometry.
 
 Derived once from vLLM's ``KVCacheConfig`` and ``VllmConfig`` identically in the scheduler
-and the worker processes, so both name the same keys.  A store block holds
-``block_tokens`` tokens of one group on one shard: for every layer of the group, the
-engine blocks that cover those tokens.
+and the worker processes, so both name the same keys.  A full-attention group stores one
+block per ``block_tokens`` tokens (for every layer of the group, the engine blocks covering
+them); a window group (sliding window, chunked local attention, compressor state) stores
+only its tail at block boundaries (see :mod:`ucm.core.hybrid`).  Groups are told apart by
+their spec type and window, never by model name or position.
 """
 
 from __future__ import annotations
 
+import re
+
 import attrs
+from ucm.core.hybrid import FULL, WINDOW, HybridLayout, KVGroup
 from ucm.core.keys import Namespace
 from ucm.vllm.config import ConnectorConfig
 
@@ -19,8 +24,10 @@ class GroupLayout:
     layer_names: tuple[str, ...]
     engine_block_tokens: int
     kind: str  # "full" (every block of the prefix is needed) or "window"
-    replicated: bool  # the same KV on every rank (MLA): rank 0 writes, all read
+    replicated: bool  # the same KV on every rank (MLA): ranks split the writes, all read
     descriptor: str  # what the bytes are: spec type, dtype, heads, head size, page bytes
+    window_tokens: int = 0  # window groups: tokens attention looks back
+    compress_ratio: int = 1  # compressor state: tokens per entry (1: none)
 
     def blocks_per_store_block(self, block_tokens: int) -> int:
         return block_tokens // self.engine_block_tokens
@@ -33,10 +40,31 @@ class ModelLayout:
     rank: int
     world_size: int
     groups: tuple[GroupLayout, ...]
+    # the engine-neutral description the planners work on
+    hybrid: HybridLayout = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        kv_groups = tuple(
+            KVGroup(
+                kind=FULL if g.kind == "full" else WINDOW,
+                block_tokens=g.engine_block_tokens,
+                window_tokens=g.window_tokens if g.kind == "window" else 0,
+                compress_ratio=g.compress_ratio,
+                num_layers=len(g.layer_names),
+            )
+            for g in self.groups
+        )
+        object.__setattr__(self, "hybrid", HybridLayout(kv_groups, self.block_tokens))
+
+    @property
+    def has_windows(self) -> bool:
+        return any(g.kind == "window" for g in self.groups)
 
     @property
     def stored_groups(self) -> tuple[GroupLayout, ...]:
-        return tuple(g for g in self.groups if g.kind == "full")
+        """Groups with something to store: full groups, window groups with a tail."""
+        tails = self.hybrid.tail_groups
+        return tuple(g for g in self.groups if g.kind == "full" or g.index in tails)
 
     def chain_namespace(self, cache_salt: str | None) -> Namespace:
         """Seeds the token chain shared by every group and rank of one request."""
@@ -47,17 +75,20 @@ class ModelLayout:
     def scope(self, group: GroupLayout, rank: int) -> Namespace:
         """The key scope of one group on one rank (replicated groups: one scope for all)."""
         rank, world = (0, 1) if group.replicated else (rank, self.world_size)
+        what = "tail" if group.kind == "window" else "store"
         return Namespace(
             model=self.fingerprint,
-            layout=f"vllm:{group.descriptor}:store{self.block_tokens}",
+            layout=f"vllm:{group.descriptor}:{what}{self.block_tokens}",
             rank=rank,
             world_size=world,
             group=str(group.index),
         )
 
-    def writes(self, group: GroupLayout) -> bool:
-        """Whether this rank dumps the group (one writer for replicated caches)."""
-        return not group.replicated or self.rank == 0
+    def writes(self, group: GroupLayout, key: int) -> bool:
+        """Whether this rank dumps chain key ``key`` of ``group``: every rank its own shard;
+        of a cache replicated on every rank, key ``i`` is written by rank ``i % world``
+        (a window tail at boundary ``b`` has key ``b - 1``: it goes with that block)."""
+        return not group.replicated or key % self.world_size == self.rank
 
 
 def model_fingerprint(vllm_config: object, override: str | None) -> str:
@@ -82,8 +113,8 @@ def describe(
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
         MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
 
@@ -95,10 +126,7 @@ def describe(
                 f"UCMConnector: KV-cache group {index} is {type(spec).__name__}; "
                 "only attention caches can be stored"
             )
-        window = isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) or (
-            isinstance(spec, FullAttentionSpec)
-            and (spec.sliding_window is not None or spec.attention_chunk_size is not None)
-        )
+        window_tokens = _window_tokens(spec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
         if config.block_tokens % spec.block_size:
             raise ValueError(
                 f"kv_connector_extra_config.block_tokens: {config.block_tokens} is not a "
@@ -108,14 +136,17 @@ def describe(
             f"{type(spec).__name__}:{spec.dtype}:bs{spec.block_size}:h{spec.num_kv_heads}"
             f":d{spec.head_size}:page{spec.page_size_bytes}:L{len(group.layer_names)}"
         )
+        ratio = _compress_ratio(spec, group.layer_names, vllm_config)
         groups.append(
             GroupLayout(
                 index=index,
                 layer_names=tuple(group.layer_names),
                 engine_block_tokens=spec.block_size,
-                kind="window" if window else "full",
-                replicated=isinstance(spec, MLAAttentionSpec),
-                descriptor=descriptor,
+                kind="window" if window_tokens else "full",
+                replicated=isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)),
+                descriptor=descriptor + (f":w{window_tokens}:r{ratio}" if window_tokens else ""),
+                window_tokens=window_tokens,
+                compress_ratio=ratio,
             )
         )
     return ModelLayout(
@@ -125,3 +156,38 @@ def describe(
         world_size=world,
         groups=tuple(groups),
     )
+
+
+def _window_tokens(spec: object, sliding: type, chunked: type) -> int:
+    """Tokens a window group's attention looks back (0: full attention)."""
+    if isinstance(spec, sliding):
+        return int(spec.sliding_window)  # type: ignore[attr-defined]
+    if isinstance(spec, chunked):
+        return int(spec.attention_chunk_size)  # type: ignore[attr-defined]
+    for name in ("sliding_window", "attention_chunk_size"):  # older FullAttentionSpec fields
+        value = getattr(spec, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _compress_ratio(spec: object, layer_names: list[str], vllm_config: object) -> int:
+    """Tokens per compressed entry of a group: the spec's, else the model config's
+    ``compress_ratios`` (one per layer) for the group's layers, else 1.  Where the layers
+    disagree the smallest ratio is taken: it keeps the longest tail."""
+    own = getattr(spec, "compress_ratio", None)
+    if own:
+        return int(own)
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    ratios = getattr(hf, "compress_ratios", None)
+    if not ratios:
+        return 1
+    found = []
+    for name in layer_names:
+        match = _LAYER_INDEX.search(name)
+        if match and int(match.group(1)) < len(ratios):
+            found.append(int(ratios[int(match.group(1))]) or 1)
+    return max(1, min(found)) if found else 1

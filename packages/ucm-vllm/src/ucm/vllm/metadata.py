@@ -8,18 +8,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 @dataclass
-class Transfer:
-    """Store blocks ``first .. first+len(chain)-1`` of one request, to load or to dump.
+class Item:
+    """One stored block of one KV-cache group: a full-attention block or a window tail.
 
-    ``chain`` holds the token-chain keys (each rank derives its own scoped keys);
-    ``block_ids[g][s]`` lists the engine blocks of group ``g`` holding store block ``s``,
-    0 where a block must not be touched (vLLM's null block).
+    ``key``: its index in the request's token chain, ``chain_key`` that key (each rank
+    derives its own scoped key from it); ``block_ids``: the engine blocks forming its payload,
+    in order, 0 where a block must not be touched (vLLM's null block, or a block vLLM already
+    holds, which may be shared with running requests).
     """
 
+    group: int
+    key: int
+    chain_key: bytes
+    block_ids: list[int]
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to load or to dump, full-attention ones in key order first."""
+
     req_id: str
-    first: int
-    chain: list[bytes]
-    block_ids: list[list[list[int]]]
+    items: list[Item]
+
+    def keys(self, group: int) -> list[int]:
+        return [item.key for item in self.items if item.group == group]
 
 
 @dataclass

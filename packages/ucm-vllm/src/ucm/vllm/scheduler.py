@@ -1,7 +1,9 @@
 """The scheduler side: store lookups, load plans, dump plans, delayed frees.
 
-Runs in vLLM's engine-core process.  It only reads the store (``lookup_prefix``); the
-workers move the data.
+Runs in vLLM's engine-core process.  It only looks the stores up; the workers move the data.
+What to look up, load and dump comes from the planners of :mod:`ucm.core.hybrid`: for a
+model of full-attention groups they reduce to "the longest stored prefix, every new block";
+window groups add their tail at block boundaries.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import logging
 from typing import Any
 
 import attrs
+from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundaries
+from ucm.core.hybrid_store import plan_dump
 from ucm.core.keys import block_keys, scoped_keys
-from ucm.core.store import Store
 from ucm.vllm.layout import ModelLayout
-from ucm.vllm.metadata import Transfer, UCMConnectorMetadata
+from ucm.vllm.metadata import Item, Transfer, UCMConnectorMetadata
 from ucm.vllm.stats import UCMStats
+from ucm.vllm.stores import ConnectorStores
 
 log = logging.getLogger(__name__)
 
@@ -23,35 +27,39 @@ log = logging.getLogger(__name__)
 class RequestState:
     request: Any  # vllm.v1.request.Request
     chain: list[bytes] = attrs.field(factory=list)  # token-chain keys of the prompt's full blocks
-    stored: int = 0  # leading store blocks known to be in the store
-    local: int = 0  # tokens vLLM holds itself (block-aligned), as of the last lookup
-    next_dump: int = 0  # first store block not yet planned for a dump
+    hit: int = 0  # boundaries of the usable store hit, as of the last lookup
+    local: int = 0  # tokens vLLM holds itself, as of the last lookup
+    next_dump: int = 0  # boundaries planned for dumps so far
+    wa_after: int = 0  # boundaries whose window tails vLLM no longer holds (its own hit)
     dumped: bool = False  # any dump planned: its blocks are freed only when the dumps are done
     loaded_to: int = 0  # tokens the last planned load makes computed; 0 once checked
     load_step: bool = False  # scheduled with a sync load this step: no dumps planned in it
+    load_failed: bool = False  # a load of this request failed: it is not loaded again
 
 
 class SchedulerSide:
     def __init__(
         self,
         layout: ModelLayout,
-        store: Store | None,
+        stores: ConnectorStores | None,
         load_threshold: int,
         sync_loads: bool = False,
+        wa_dump_block_wise: bool = True,
     ) -> None:
         self.layout = layout
-        self.store = store
+        self.stores = stores
         self.load_threshold = load_threshold
         self.sync_loads = sync_loads
-        self.enabled = store is not None and not any(g.kind == "window" for g in layout.groups)
-        self.dumps = self.enabled and not (store is not None and store.read_only)
+        self.block_wise = wa_dump_block_wise
+        self.enabled = stores is not None
+        self.dumps = stores is not None and not stores.read_only
         self.requests: dict[str, RequestState] = {}
         self.pending_loads: list[Transfer] = []
         self.pending_dumps: list[Transfer] = []  # of requests that finished, not yet planned
         self.delayed: list[str] = []
         self.stats = UCMStats()
 
-    # -- keys --
+    # -- keys and lookups --
 
     def _cacheable(self, request: Any) -> bool:
         # Inputs that are not token ids would need their own key material.
@@ -71,18 +79,33 @@ class SchedulerSide:
             state.chain = block_keys(ns, list(request.prompt_token_ids), self.layout.block_tokens)
         return state
 
-    def _stored_prefix(self, chain: list[bytes]) -> int:
-        """Leading blocks stored for every group and rank (all must be there to load)."""
-        assert self.store is not None
+    def _ranks(self, replicated: bool) -> range:
+        return range(1) if replicated else range(self.layout.world_size)
+
+    def _usable_hit(self, chain: list[bytes], floor: int) -> int:
+        """Boundaries stored for every group and rank, window tails included."""
+        assert self.stores is not None
+        hybrid = self.layout.hybrid
         found = len(chain)
-        for group in self.layout.stored_groups:
-            ranks = [0] if group.replicated else range(self.layout.world_size)
-            for rank in ranks:
-                if not found:
+        for group in self.layout.groups:
+            if group.kind != "full":
+                continue
+            for rank in self._ranks(group.replicated):
+                if found <= floor:
                     return 0
                 keys = scoped_keys(chain[:found], self.layout.scope(group, rank))
-                found = min(found, self.store.lookup_prefix(keys))
-        return found
+                found = min(found, self.stores.of(group).lookup_prefix(keys))
+        bounds = wa_lookup_boundaries(hybrid, found, floor)
+        wa_stored: dict[int, list[bool]] = {}
+        for g in hybrid.tail_groups:
+            group = self.layout.groups[g]
+            stored = [False] * floor + [True] * len(bounds)
+            for rank in self._ranks(group.replicated):
+                keys = scoped_keys([chain[b - 1] for b in bounds], self.layout.scope(group, rank))
+                present = self.stores.of(group).lookup(keys) if keys else []
+                stored[floor:] = [a and b for a, b in zip(stored[floor:], present)]
+            wa_stored[g] = stored
+        return usable_hit(hybrid, found, wa_stored, floor=floor)
 
     # -- vLLM hooks --
 
@@ -95,20 +118,28 @@ class SchedulerSide:
         if not self.enabled:
             return 0, False
         state = self._state(request)
-        if not state.chain:
+        if state.loaded_to:
+            # Asked again before the planned load was ever scheduled: vLLM gave the request
+            # back after the load failed.  Retrying could fail the same way forever.
+            state.load_failed, state.loaded_to = True, 0
+            state.next_dump = min(state.next_dump, num_computed_tokens // self.layout.block_tokens)
+        if not state.chain or state.load_failed:
             return 0, False
+        bt = self.layout.block_tokens
+        floor = num_computed_tokens // bt
         try:
-            state.stored = self._stored_prefix(state.chain)
+            state.hit = self._usable_hit(state.chain, floor)
         except Exception as exc:  # noqa: BLE001 - a failing store means no hit, not an error
             log.warning("ucm: store lookup failed, recomputing: %s", exc)
-            state.stored = 0
-        state.next_dump = max(state.next_dump, state.stored)
+            state.hit = 0
         state.local = num_computed_tokens
-        hit = state.stored * self.layout.block_tokens - num_computed_tokens
-        if self.sync_loads:
-            # vLLM must compute at least the last prompt token to sample the next one (an
-            # async load gets the same from vLLM once it completes).
-            hit = min(hit, request.num_tokens - 1 - num_computed_tokens)
+        state.wa_after = max(state.wa_after, floor)
+        # Dumps continue from the hit: full blocks below it are stored, and window tails
+        # past it are not (or the hit would be longer).
+        state.next_dump = max(state.next_dump, state.hit)
+        # vLLM must compute at least the last prompt token to sample the next one; the
+        # hit's last block is still loaded whole.
+        hit = min(state.hit * bt, request.num_tokens - 1) - num_computed_tokens
         if hit <= 0 or hit < self.load_threshold:
             return 0, False
         return hit, not self.sync_loads
@@ -117,32 +148,21 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         state = self.requests[request.request_id]
-        bt = self.layout.block_tokens
-        local = state.local
-        # Whole store blocks covering the external tokens (vLLM asked for whole blocks; if it
-        # ever trims the count, the last block is still loaded whole and its tail recomputed).
-        first = local // bt
-        end = min(-(-(local + num_external_tokens) // bt), len(state.chain))
+        plan = plan_load(self.layout.hybrid, state.local, state.hit)
         block_ids = blocks.get_block_ids()
-        per_group = []
-        for group in self.layout.stored_groups:
-            k = group.blocks_per_store_block(bt)
-            ids = block_ids[group.index]
-            # Engine blocks that vLLM already holds (the local hit) are left alone: they
-            # may be shared with running requests.
-            skip = local // group.engine_block_tokens
-            per_group.append(
-                [
-                    [ids[j] if skip <= j < len(ids) else 0 for j in range(s * k, (s + 1) * k)]
-                    for s in range(first, end)
-                ]
-            )
-        self.pending_loads.append(
-            Transfer(request.request_id, first, state.chain[first:end], per_group)
-        )
-        state.loaded_to = min(local + num_external_tokens, request.num_tokens - 1)
+        items = [self._item(state, ref, block_ids, skip=ref.held) for ref in plan.blocks]
+        self.pending_loads.append(Transfer(request.request_id, items))
+        state.loaded_to = min(state.local + num_external_tokens, request.num_tokens - 1)
         state.load_step = self.sync_loads
         self.stats.add(lookup_hit_tokens=num_external_tokens)
+
+    def _item(self, state: RequestState, ref: BlockRef, block_ids: Any, skip: int = 0) -> Item:
+        """``ref`` with its engine block ids; the first ``skip`` are left alone (0)."""
+        ids = block_ids[ref.group]
+        engine = [
+            ids[j] if j < len(ids) and n >= skip else 0 for n, j in enumerate(ref.engine_blocks)
+        ]
+        return Item(ref.group, ref.key, state.chain[ref.key], engine)
 
     def build_connector_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
         meta = UCMConnectorMetadata(
@@ -177,22 +197,25 @@ class SchedulerSide:
         return meta
 
     def _dump(self, state: RequestState, computed: int, block_ids: Any) -> Transfer | None:
-        """Plan the store blocks completed up to ``computed`` tokens and not planned yet."""
-        bt = self.layout.block_tokens
-        end = min(computed // bt, len(state.chain))
-        if end <= state.next_dump:
-            return None
-        per_group = []
-        for group in self.layout.stored_groups:
-            k = group.blocks_per_store_block(bt)
-            ids = block_ids[group.index]
-            per_group.append([list(ids[s * k : (s + 1) * k]) for s in range(state.next_dump, end)])
-        transfer = Transfer(
-            state.request.request_id, state.next_dump, state.chain[state.next_dump : end], per_group
+        """Plan the blocks completed up to ``computed`` tokens and not planned yet.
+
+        Every rank gets the whole plan: each writes its own shard, and for caches replicated
+        on every rank, the keys that fall to it (``ModelLayout.writes``).
+        """
+        plan = plan_dump(
+            self.layout.hybrid,
+            dumped=state.next_dump,
+            computed_tokens=computed,
+            chain_blocks=len(state.chain),
+            block_wise=self.block_wise,
+            wa_after=state.wa_after,
         )
-        state.next_dump = end
+        state.next_dump = plan.dumped
+        if not plan.blocks:
+            return None
         state.dumped = True
-        return transfer
+        items = [self._item(state, ref, block_ids) for ref in plan.blocks]
+        return Transfer(state.request.request_id, items)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
         """``block_ids``: the request's block ids per KV-cache group."""

@@ -1,72 +1,88 @@
-"""The worker side: load store blocks into the paged KV cache, dump computed blocks.
+"""The worker side: load stored blocks into the paged KV cache, dump computed blocks.
 
 Runs in each vLLM worker process, one per tensor-parallel rank; each rank reads and writes
 its own shard under its own keys.
 
 Loads are synchronous or asynchronous (``load_mode``).  A sync load runs in
-``start_load_kv``, before the forward pass of the step that scheduled the request: every
-block is read into one reused staging buffer, the verified prefix is scattered into the KV
-cache, and blocks that failed go to ``get_block_ids_with_load_errors`` so that vLLM discards
-the step's output for the request and recomputes from the first bad block.  An async load
-reads on the store's threads and is scattered from ``get_transfer_results`` (between
-forward passes), after which vLLM schedules the request.
+``start_load_kv``, before the forward pass of the step that scheduled the request: the
+blocks are read in pieces into reused host rows, each piece's verified prefix is scattered
+into the KV cache while the next one is read, and blocks that failed go to
+``get_block_ids_with_load_errors`` so that vLLM discards the step's output for the request
+and recomputes from the first bad block.  An async load reads on the store's threads and is
+scattered from ``get_transfer_results`` (between forward passes), after which vLLM
+schedules the request; with several KV-cache groups a failure fails the whole load
+(``failed_recving``), as vLLM maps block ids back to requests only for one group.
 
-Dumps gather the blocks into staging buffers right after the forward pass that computed
-them, so vLLM may reuse the engine blocks at once; the store writes in the background.
+Dumps gather the blocks into host rows right after the forward pass that computed them, so
+vLLM may reuse the engine blocks at once; the store writes in the background.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 
 import attrs
 import torch
-from ucm.core.keys import scoped_keys
+from ucm.core.keys import Namespace, scoped_keys
 from ucm.core.lifecycle import DumpTracker
-from ucm.core.store import Store, Task
+from ucm.core.store import KeyResult, Task
 from ucm.kernels import HostStager, payload_nbytes
 from ucm.vllm.buffers import RowPool
-from ucm.vllm.layout import GroupLayout, ModelLayout
-from ucm.vllm.metadata import Transfer, UCMConnectorMetadata
+from ucm.vllm.layout import ModelLayout
+from ucm.vllm.metadata import Item, Transfer, UCMConnectorMetadata
 from ucm.vllm.stats import UCMStats
+from ucm.vllm.stores import ConnectorStores
 
 log = logging.getLogger(__name__)
 NULL_BLOCK = 0  # vLLM's block pool reserves block 0; it is never read or written here
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
-
-
-@attrs.define
-class LoadJob:
-    transfer: Transfer
-    task: Task
-    rows: list[list[torch.Tensor]]  # per stored group: one host row per store block
-    started: float
-
 
 # Sync loads are read and scattered in pieces of about this size, so that the reads of one
 # piece overlap the scatter of the previous one.
 PIECE_BYTES = 16 << 20
 
 
+@attrs.define
+class LoadJob:
+    transfer: Transfer
+    tasks: list[tuple[list[int], Task]]  # (positions in transfer.items, task) per store
+    rows: list[torch.Tensor]  # one host row per item
+    started: float
+
+    def done(self) -> bool:
+        return all(task.done() for _, task in self.tasks)
+
+    def results(self) -> list[KeyResult | None]:
+        """Per item; None where no result came (the store was unavailable or timed out)."""
+        out: list[KeyResult | None] = [None] * len(self.transfer.items)
+        for positions, task in self.tasks:
+            if task.done():
+                for pos, result in zip(positions, task.wait(0)):
+                    out[pos] = result
+        return out
+
+
 class WorkerSide:
     def __init__(
         self,
         layout: ModelLayout,
-        store: Store | None,
+        stores: ConnectorStores | None,
         num_groups: int,
         sync_loads: bool = False,
         load_timeout_s: float = 10.0,
         staging_bytes: int = 128 << 20,
     ) -> None:
         self.layout = layout
-        self.store = store
+        self.stores = stores
         self.single_group = num_groups == 1
         self.sync_loads = sync_loads
         self.load_timeout_s = load_timeout_s
         self.staging_bytes = staging_bytes
         self.caches: dict[int, list[torch.Tensor]] = {}
-        self.nbytes: dict[int, int] = {}
+        self._nbytes: dict[tuple[int, int], int] = {}
+        self._scopes: dict[int, Namespace] = {}
         self.loads: dict[str, LoadJob] = {}
         self.rows = RowPool(staging_bytes)
         self.stager = HostStager()
@@ -80,18 +96,41 @@ class WorkerSide:
             missing = [n for n in group.layer_names if n not in kv_caches]
             if missing:
                 raise ValueError(f"UCMConnector: no KV cache registered for layers {missing}")
-            caches = [kv_caches[n] for n in group.layer_names]
-            self.caches[group.index] = caches
-            k = group.blocks_per_store_block(self.layout.block_tokens)
-            self.nbytes[group.index] = payload_nbytes(caches, k)
-        if self.caches:
-            self.stager = HostStager(next(iter(self.caches.values()))[0].device)
-            unit = sum(self.nbytes.values())
-            for group in self.layout.stored_groups:
-                self.rows.reserve(self.nbytes[group.index], self.staging_bytes // unit)
+            self.caches[group.index] = [kv_caches[n] for n in group.layer_names]
+        if not self.caches:
+            return
+        self.stager = HostStager(next(iter(self.caches.values()))[0].device)
+        # Touch the rows of a typical load now (full-attention blocks of every group),
+        # rather than on the first request.
+        full = [g for g in self.layout.stored_groups if g.kind == "full"]
+        per_block = {g.index: self._row_bytes(g.index, self._per_block(g.index)) for g in full}
+        if per_block:
+            count = self.staging_bytes // sum(per_block.values())
+            for nbytes in per_block.values():
+                self.rows.reserve(nbytes, count)
 
-    def _keys(self, group: GroupLayout, chain: list[bytes]) -> list[bytes]:
-        return scoped_keys(chain, self.layout.scope(group, self.layout.rank))
+    def _per_block(self, group: int) -> int:
+        return self.layout.hybrid.blocks_per_boundary(group)
+
+    def _row_bytes(self, group: int, blocks: int) -> int:
+        size = self._nbytes.get((group, blocks))
+        if size is None:
+            size = self._nbytes[(group, blocks)] = payload_nbytes(self.caches[group], blocks)
+        return size
+
+    def _item_bytes(self, item: Item) -> int:
+        return self._row_bytes(item.group, len(item.block_ids))
+
+    def _keys(self, items: list[Item]) -> list[bytes]:
+        """This rank's store keys of ``items``."""
+        keys = []
+        for item in items:
+            scope = self._scopes.get(item.group)
+            if scope is None:
+                group = self.layout.groups[item.group]
+                scope = self._scopes[item.group] = self.layout.scope(group, self.layout.rank)
+            keys += scoped_keys([item.chain_key], scope)
+        return keys
 
     # -- loads --
 
@@ -108,17 +147,19 @@ class WorkerSide:
         job = self._submit_load(pieces[0])
         for i in range(len(pieces)):
             following = self._submit_load(pieces[i + 1]) if i + 1 < len(pieces) else None
-            try:
-                job.task.wait(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                job.task.cancel()
+            for _, task in job.tasks:
+                try:
+                    task.wait(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    task.cancel()
+            if not job.done():
                 log.warning(
                     "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
                     job.transfer.req_id,
                     self.load_timeout_s,
                 )
                 # Reads still in flight may land in these rows later: never reuse them.
-                job = LoadJob(job.transfer, Task(0), [], job.started)
+                job.rows = []
             usable = job.transfer.req_id not in failed
             if not self._finish_load(job, usable) and usable:
                 failed.add(job.transfer.req_id)
@@ -126,86 +167,107 @@ class WorkerSide:
                 job = following
 
     def _pieces(self, transfer: Transfer) -> list[Transfer]:
-        """``transfer`` cut into runs of store blocks of about ``PIECE_BYTES``."""
-        n = len(transfer.chain)
-        step = max(1, PIECE_BYTES // max(1, sum(self.nbytes.values())))
-        if n <= step:
-            return [transfer]
-        return [
-            Transfer(
-                transfer.req_id,
-                transfer.first + a,
-                transfer.chain[a : a + step],
-                [ids[a : a + step] for ids in transfer.block_ids],
-            )
-            for a in range(0, n, step)
-        ]
+        """``transfer`` cut into runs of items of about ``PIECE_BYTES``."""
+        pieces: list[Transfer] = []
+        size = 0
+        for item in transfer.items:
+            if not pieces or size >= PIECE_BYTES:
+                pieces.append(Transfer(transfer.req_id, []))
+                size = 0
+            pieces[-1].items.append(item)
+            size += self._item_bytes(item)
+        return pieces
 
     def _submit_load(self, transfer: Transfer) -> LoadJob:
-        n = len(transfer.chain)
         started = time.perf_counter()
-        rows = [self.rows.take(self.nbytes[g.index], n) for g in self.layout.stored_groups]
-        if self.store is None:
-            return LoadJob(transfer, Task(0), rows, started)
-        keys = [k for g in self.layout.stored_groups for k in self._keys(g, transfer.chain)]
-        views = [row.numpy() for group_rows in rows for row in group_rows]
-        try:
-            task = self.store.load(keys, views, LAYOUT_TAG)
-        except Exception as exc:  # noqa: BLE001 - a failing store is a miss
-            log.warning("ucm: load of request %s failed to start: %s", transfer.req_id, exc)
-            task = Task(0)
-        return LoadJob(transfer, task, rows, started)
+        items = transfer.items
+        rows = self._take_rows(items)
+        job = LoadJob(transfer, [], rows, started)
+        if self.stores is None:
+            return job
+        by_store: dict[int, list[int]] = defaultdict(list)
+        for pos, item in enumerate(items):
+            by_store[id(self.stores.of(self.layout.groups[item.group]))].append(pos)
+        for positions in by_store.values():
+            store = self.stores.of(self.layout.groups[items[positions[0]].group])
+            keys = self._keys([items[p] for p in positions])
+            try:
+                task = store.load(keys, [rows[p].numpy() for p in positions], LAYOUT_TAG)
+            except Exception as exc:  # noqa: BLE001 - a failing store is a miss
+                log.warning("ucm: load of request %s failed to start: %s", transfer.req_id, exc)
+                continue
+            job.tasks.append((positions, task))
+        return job
+
+    def _take_rows(self, items: list[Item]) -> list[torch.Tensor]:
+        rows: list[torch.Tensor | None] = [None] * len(items)
+        by_size: dict[int, list[int]] = defaultdict(list)
+        for pos, item in enumerate(items):
+            by_size[self._item_bytes(item)].append(pos)
+        for nbytes, positions in by_size.items():
+            for pos, row in zip(positions, self.rows.take(nbytes, len(positions))):
+                rows[pos] = row
+        return rows  # type: ignore[return-value]
 
     def _finish_load(self, job: LoadJob, usable: bool = True) -> bool:
-        """Scatter the longest verified prefix; True when every block loaded.
+        """Scatter what can be used; True when every block loaded.
 
-        ``usable=False``: an earlier block of the request failed, so none of these count.
+        Full-attention blocks count as a prefix: a key is used only if it and every key
+        before it loaded for every group.  Window tails belong to the hit's last boundary:
+        they are used only if everything loaded.  ``usable=False``: an earlier piece of the
+        request failed, so none of these count.
         """
-        transfer = job.transfer
-        n = len(transfer.chain)
-        results = job.task.wait(0) if len(job.task) and usable else []
-        groups = self.layout.stored_groups
-        ok = [
-            bool(results) and all(results[g * n + s].ok for g in range(len(groups)))
-            for s in range(n)
+        items = job.transfer.items
+        results = job.results() if usable else [None] * len(items)
+        ok = [r is not None and r.ok for r in results]
+        bad_keys = {it.key for it, fine in zip(items, ok) if not fine and self._full(it)}
+        first_bad = min(bad_keys, default=None)
+        all_ok = all(ok)
+        use = [
+            all_ok or (self._full(it) and (first_bad is None or it.key < first_bad)) for it in items
         ]
-        good = next((s for s, fine in enumerate(ok) if not fine), n)
-        if good:
-            handles = [
-                self.stager.load(
-                    self.caches[group.index],
-                    transfer.block_ids[i][:good],
-                    job.rows[i][:good],
-                    null_block_id=NULL_BLOCK,
-                )
-                for i, group in enumerate(groups)
-            ]
-            for handle in handles:
-                handle.wait()  # the rows go back to the pool, and the forward pass reads
-        for group_rows in job.rows:
-            self.rows.give(group_rows)
-        if good < n:
-            problems = {r.detail or r.status.value for r in results if not r.ok} or {
+        self._scatter([(it, row) for it, row, u in zip(items, job.rows, use) if u])
+        self.rows.give(job.rows)
+        if not all_ok:
+            problems = {r.detail or r.status.value for r in results if r and not r.ok} or {
                 "store unavailable" if usable else "an earlier block failed"
             }
             log.warning(
                 "ucm: request %s: %d of %d blocks failed to load, vLLM recomputes them (%s)",
-                transfer.req_id,
-                n - good,
-                n,
+                job.transfer.req_id,
+                use.count(False),
+                len(items),
                 "; ".join(sorted(problems)),
             )
-            for i in range(len(groups)):
-                for ids in transfer.block_ids[i][good:]:
-                    self.load_error_blocks.update(b for b in ids if b != NULL_BLOCK)
-        nbytes = sum(self.nbytes[g.index] for g in groups)
+            for item, used in zip(items, use):
+                if not used:
+                    self.load_error_blocks.update(b for b in item.block_ids if b != NULL_BLOCK)
         self.stats.add(
-            loaded_blocks=good * len(groups),
-            loaded_bytes=good * nbytes,
-            load_errors=(n - good) * len(groups),
+            loaded_blocks=use.count(True),
+            loaded_bytes=sum(self._item_bytes(it) for it, u in zip(items, use) if u),
+            load_errors=use.count(False),
             load_seconds=time.perf_counter() - job.started,
         )
-        return good == n
+        return all_ok
+
+    def _full(self, item: Item) -> bool:
+        return self.layout.groups[item.group].kind == "full"
+
+    def _scatter(self, pairs: list[tuple[Item, torch.Tensor]]) -> None:
+        batches: dict[tuple[int, int], list[tuple[Item, torch.Tensor]]] = defaultdict(list)
+        for item, row in pairs:
+            batches[(item.group, len(item.block_ids))].append((item, row))
+        handles = [
+            self.stager.load(
+                self.caches[group],
+                [item.block_ids for item, _ in batch],
+                [row for _, row in batch],
+                null_block_id=NULL_BLOCK,
+            )
+            for (group, _), batch in batches.items()
+        ]
+        for handle in handles:
+            handle.wait()  # the rows go back to the pool, and the forward pass reads
 
     # -- dumps --
 
@@ -218,33 +280,39 @@ class WorkerSide:
 
     def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
         self.delayed += meta.delayed
-        if self.store is None:
+        if self.stores is None:
             return
         for transfer in meta.dumps:
             started = time.perf_counter()
-            for i, group in enumerate(self.layout.stored_groups):
-                if self.layout.writes(group):
-                    self._dump(transfer, i, group)
+            mine = [
+                it
+                for it in transfer.items
+                if self.layout.writes(self.layout.groups[it.group], it.key)
+            ]
+            batches: dict[tuple[int, int], list[Item]] = defaultdict(list)
+            for item in mine:
+                batches[(item.group, len(item.block_ids))].append(item)
+            for (group, _), items in batches.items():
+                self._dump(transfer.req_id, group, items)
             self.stats.add(dump_seconds=time.perf_counter() - started)
 
-    def _dump(self, transfer: Transfer, i: int, group: GroupLayout) -> None:
-        assert self.store is not None
-        rows = self.rows.take(self.nbytes[group.index], len(transfer.chain))
+    def _dump(self, req_id: str, group: int, items: list[Item]) -> None:
+        assert self.stores is not None
+        store = self.stores.of(self.layout.groups[group])
+        rows = self.rows.take(self._item_bytes(items[0]), len(items))
         # Waited here: the engine may reuse the blocks once this step ends.
         self.stager.dump(
-            self.caches[group.index], transfer.block_ids[i], rows, null_block_id=NULL_BLOCK
+            self.caches[group], [it.block_ids for it in items], rows, null_block_id=NULL_BLOCK
         ).wait()
         try:
-            task = self.store.dump(
-                self._keys(group, transfer.chain), [r.numpy() for r in rows], LAYOUT_TAG
-            )
+            task = store.dump(self._keys(items), [r.numpy() for r in rows], LAYOUT_TAG)
         except Exception as exc:  # noqa: BLE001 - a failing store never stops serving
-            log.warning("ucm: dump for request %s failed: %s", transfer.req_id, exc)
-            self.stats.add(dump_errors=len(transfer.chain))
+            log.warning("ucm: dump for request %s failed: %s", req_id, exc)
+            self.stats.add(dump_errors=len(items))
             self.rows.give(rows)
             return
         task.add_done_callback(lambda _task: self.rows.give(rows))
-        self.tracker.submit(transfer.req_id, task)
+        self.tracker.submit(req_id, task)
         self.stats.add(dumped_bytes=sum(r.numel() for r in rows))
 
     # -- completion --
@@ -256,10 +324,11 @@ class WorkerSide:
         for req_id in finished_req_ids:
             job = self.loads.pop(req_id, None)  # aborted while loading: never scatter
             if job is not None:
-                job.task.cancel()
+                for _, task in job.tasks:
+                    task.cancel()
         recving, failed = set(), set()
         for req_id, job in list(self.loads.items()):
-            if not job.task.done():
+            if not job.done():
                 continue
             del self.loads[req_id]
             recving.add(req_id)
@@ -280,9 +349,11 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_error_blocks = self.load_error_blocks, set()
-        return errors
+        # vLLM maps block ids back to requests only for single-group models; the others
+        # report failed requests (failed_recving) instead.
+        return errors if self.single_group else set()
 
     def shutdown(self) -> None:
         self.tracker.flush_all(timeout=10.0)
-        if self.store is not None:
-            self.store.close()
+        if self.stores is not None:
+            self.stores.close()

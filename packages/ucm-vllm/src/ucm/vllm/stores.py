@@ -1,0 +1,51 @@
+"""The connector's stores: one for a model of full-attention groups; for a hybrid model a
+full-attention store and a window store, so that neither evicts the other's blocks (the
+capacity split is ``wa_capacity_fraction``, see :mod:`ucm.core.hybrid_store`)."""
+
+from __future__ import annotations
+
+import logging
+
+from ucm.core.config import StoreConfig
+from ucm.core.hybrid_store import split_store_config
+from ucm.core.store import Store, create_store
+from ucm.vllm.layout import GroupLayout
+
+log = logging.getLogger(__name__)
+
+
+class ConnectorStores:
+    def __init__(self, full: Store, window: Store | None) -> None:
+        self.full = full
+        self.window = window
+
+    @classmethod
+    def open(cls, config: StoreConfig, hybrid: bool, wa_fraction: float) -> ConnectorStores | None:
+        """The stores, or None (with a warning) when they cannot be used: serve without."""
+        try:
+            if not hybrid:
+                return cls(create_store(config), None)
+            fa_config, wa_config = split_store_config(config, wa_fraction)
+            full = create_store(fa_config)
+            try:
+                return cls(full, create_store(wa_config))
+            except OSError:
+                full.close()
+                raise
+        except OSError as exc:
+            log.warning("UCMConnector: store unavailable, serving without it: %s", exc)
+            return None
+
+    def of(self, group: GroupLayout) -> Store:
+        if group.kind == "window" and self.window is not None:
+            return self.window
+        return self.full
+
+    @property
+    def read_only(self) -> bool:
+        return self.full.read_only or (self.window is not None and self.window.read_only)
+
+    def close(self) -> None:
+        self.full.close()
+        if self.window is not None:
+            self.window.close()
