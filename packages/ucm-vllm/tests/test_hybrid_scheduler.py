@@ -42,7 +42,9 @@ def dsv4_like_config(num_blocks: int = 4096) -> KVCacheConfig:
         )
         for k, (bs, w, _) in enumerate(WINDOWS)
     ]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[full, *windows])
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[full, *windows]
+    )
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
