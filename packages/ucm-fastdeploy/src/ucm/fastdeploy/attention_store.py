@@ -114,7 +114,9 @@ class AttentionStore:
 
     ``ucm_config`` is a dict of settings or the path of a YAML file (default: the file named
     by ``UCM_CONFIG_FILE``, else the embedded posix store); ``store`` replaces the store it
-    describes (the caller keeps ownership).
+    describes (the caller keeps ownership).  FastDeploy drives an AttentionStore only through
+    ``query``, ``write``, ``read`` and ``flush_token_index``; the key/value methods of its
+    KVCacheStorage contract are :class:`~ucm.fastdeploy.UCMStorage`'s.
     """
 
     def __init__(
@@ -380,29 +382,6 @@ class AttentionStore:
             frozenset(p for p, there in (("gpu", g), ("store", s)) if there)
             for g, s in zip(in_gpu, stored)
         ]
-
-    # -- FastDeploy's KVCacheStorage methods that its AttentionStore does not support -----
-
-    def get(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("AttentionStore does not support get; use UCMStorage")
-
-    def batch_get(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("AttentionStore does not support batch_get; use UCMStorage")
-
-    def set(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("AttentionStore does not support set; use UCMStorage")
-
-    def batch_set(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("AttentionStore does not support batch_set; use UCMStorage")
-
-    def exists(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("AttentionStore does not support exists; use UCMStorage")
-
-    def clear(self) -> Any:
-        raise NotImplementedError("AttentionStore does not support clear; use UCMStorage")
-
-    def register_buffer(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("AttentionStore does not support register_buffer")
 
     # -- lifetime -------------------------------------------------------------------------
 
