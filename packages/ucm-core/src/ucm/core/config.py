@@ -301,6 +301,23 @@ def parse_store_config(data: object, where: str = "store") -> StoreConfig:
     return from_dict(cls, data, where)
 
 
+def _is_store(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    parse_store_config(value, attribute.name)
+
+
+_is_store.allowed = "the settings of a posix, dram or tiered store (above)"  # type: ignore[attr-defined]
+
+
+def store_setting() -> Any:
+    """The ``store`` field, for an engine adapter's settings class to reuse."""
+    return setting(
+        "The store: a dict with ``kind`` (posix, dram, tiered) and its settings.",
+        factory=PosixStoreConfig,
+        validator=_is_store,
+        metadata={"parse": parse_store_config},
+    )
+
+
 # --- hybrid models (full-attention and window KV-cache groups; see ucm.core.hybrid) ----------
 
 

@@ -22,14 +22,13 @@ from typing import Any
 import attrs
 from ucm.core.config import (
     ConfigError,
-    PosixStoreConfig,
     StoreConfig,
     boolean,
     from_dict,
     int_in_range,
-    parse_store_config,
     positive_number,
     setting,
+    store_setting,
     with_config_file,
 )
 from ucm.core.slicing import SliceWritePolicy, policy_from_env
@@ -44,10 +43,6 @@ SLICE_ENV = {
 }
 
 
-def _is_store(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    parse_store_config(value, attribute.name)
-
-
 def _is_policy(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, SliceWritePolicy):
         raise ConfigError(attribute.name, f"must be slice-write settings, got {value!r}")
@@ -59,8 +54,7 @@ def _parse_policy(value: object, where: str) -> SliceWritePolicy:
     return from_dict(SliceWritePolicy, {} if value is None else value, where)
 
 
-# what the configuration reference shows for these two
-_is_store.allowed = "the settings of a posix, dram or tiered store (above)"  # type: ignore[attr-defined]
+# what the configuration reference shows for this one
 _is_policy.allowed = "the settings of [Slice writes](#slice-writes)"  # type: ignore[attr-defined]
 
 
@@ -68,12 +62,7 @@ _is_policy.allowed = "the settings of [Slice writes](#slice-writes)"  # type: ig
 class FastDeployConfig:
     """Settings of ``ucm.fastdeploy.AttentionStore`` and ``UCMStorage`` (``ucm_config``)."""
 
-    store: StoreConfig = setting(
-        "The store: a dict with ``kind`` (posix, dram, tiered) and its settings.",
-        factory=PosixStoreConfig,
-        validator=_is_store,
-        metadata={"parse": parse_store_config},
-    )
+    store: StoreConfig = store_setting()
     slice_write: SliceWritePolicy = setting(
         "How AttentionStore.write splits long writes; the variables AS_WRITE_SLICE_BLOCK_NUM, "
         "AS_WRITE_SLICE_TIMEOUT and AS_WRITE_TOTAL_TIMEOUT override these.",

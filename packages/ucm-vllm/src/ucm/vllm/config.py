@@ -8,23 +8,18 @@ from typing import Any
 import attrs
 from ucm.core.config import (
     ConfigError,
-    PosixStoreConfig,
     StoreConfig,
     boolean,
     from_dict,
     int_in_range,
     one_of,
-    parse_store_config,
     positive_number,
     setting,
+    store_setting,
     wa_capacity_fraction_setting,
     wa_dump_block_wise_setting,
     with_config_file,
 )
-
-
-def _is_store(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    parse_store_config(value, attribute.name)
 
 
 def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -32,8 +27,7 @@ def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object)
         raise ConfigError(attribute.name, f"must be a non-empty string or null, got {value!r}")
 
 
-# what the configuration reference shows for these two
-_is_store.allowed = "the settings of a posix, dram or tiered store (above)"  # type: ignore[attr-defined]
+# what the configuration reference shows for this one
 _optional_str.allowed = "non-empty, or `null`"  # type: ignore[attr-defined]
 
 
@@ -41,12 +35,7 @@ _optional_str.allowed = "non-empty, or `null`"  # type: ignore[attr-defined]
 class ConnectorConfig:
     """Settings of ``UCMConnector`` (``kv_connector_extra_config``)."""
 
-    store: StoreConfig = setting(
-        "The store: a dict with ``kind`` (posix, dram, tiered) and its settings.",
-        factory=PosixStoreConfig,
-        validator=_is_store,
-        metadata={"parse": parse_store_config},
-    )
+    store: StoreConfig = store_setting()
     block_tokens: int = setting(
         "Tokens per stored block; a multiple of vLLM's block size in every KV-cache group.",
         default=256,
