@@ -29,7 +29,8 @@ BATCH = 128  # keys per dump/load call: what an engine step hands over for a lon
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _aligned(size: int) -> mmap.mmap:
+def aligned(size: int) -> mmap.mmap:
+    """A page-aligned buffer of ``size`` bytes, its pages already faulted in."""
     buf = mmap.mmap(-1, size)
     buf.write(b"\x01" * size)  # fault the pages in before timing
     return buf
@@ -39,7 +40,8 @@ def _best(repeat: int, run: Callable[[], float]) -> float:
     return min(run() for _ in range(repeat))
 
 
-def _raw_file(directory: str, srcs: list, dsts: list, n: int, direct: bool) -> tuple[float, float]:
+def raw_file(directory: str, srcs: list, dsts: list, n: int, direct: bool) -> tuple[float, float]:
+    """Seconds to write ``n`` buffers to one file and read them back: the raw baseline."""
     path = os.path.join(directory, "raw.bin")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0)
     t0 = time.perf_counter()
@@ -58,7 +60,8 @@ def _raw_file(directory: str, srcs: list, dsts: list, n: int, direct: bool) -> t
     return t_write, t_read
 
 
-def _through_store(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+def through_store(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+    """Seconds to dump ``n`` buffers through ``store`` and load them back."""
     keys = [os.urandom(16) for _ in range(n)]
     t0 = time.perf_counter()
     tasks = [
@@ -119,10 +122,10 @@ def run_store_bench(args: argparse.Namespace) -> int:
         for kib in args.block_kib:
             size = kib * 1024
             n = max(BATCH, int(args.total_gb * GIB) // size)
-            srcs = [_aligned(size) for _ in range(16)]
+            srcs = [aligned(size) for _ in range(16)]
             for i, s in enumerate(srcs):
                 s[:16] = i.to_bytes(16, "little")
-            dsts = [_aligned(size) for _ in range(BATCH)]
+            dsts = [aligned(size) for _ in range(BATCH)]
             cases: list[tuple[str, Callable[[], tuple[float, float]], str | None]] = []
             raw_dir = os.path.join(root, "raw")
             os.makedirs(raw_dir, exist_ok=True)
@@ -131,18 +134,18 @@ def run_store_bench(args: argparse.Namespace) -> int:
             dram = DramStore(DramStoreConfig(capacity_gb=2 * n * size / GIB, preallocate=True))
             pool: list = []
             cases = [
-                ("raw file", lambda: _raw_file(raw_dir, srcs, dsts, n, False), None),
-                ("posix", lambda: _through_store(posix, srcs, dsts, n), "raw file"),
-                ("raw O_DIRECT", lambda: _raw_file(raw_dir, srcs, dsts, n, True), None),
-                ("posix O_DIRECT", lambda: _through_store(direct, srcs, dsts, n), "raw O_DIRECT"),
+                ("raw file", lambda: raw_file(raw_dir, srcs, dsts, n, False), None),
+                ("posix", lambda: through_store(posix, srcs, dsts, n), "raw file"),
+                ("raw O_DIRECT", lambda: raw_file(raw_dir, srcs, dsts, n, True), None),
+                ("posix O_DIRECT", lambda: through_store(direct, srcs, dsts, n), "raw O_DIRECT"),
                 ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
-                ("dram", lambda: _through_store(dram, srcs, dsts, n), "memcpy"),
+                ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
             ]
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
             for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
                 if name == "memcpy":
-                    pool[:] = [_aligned(size) for _ in range(n)]
+                    pool[:] = [aligned(size) for _ in range(n)]
                 timings = [run() for _ in range(args.repeat)]
                 if name == "memcpy":
                     pool.clear()

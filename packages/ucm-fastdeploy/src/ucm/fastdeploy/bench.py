@@ -29,7 +29,7 @@ import time
 import warnings
 from typing import Any
 
-from ucm.core.bench import _aligned, _raw_file, _through_store
+from ucm.core.bench import aligned, raw_file, through_store
 from ucm.core.config import PosixStoreConfig, default_store_path
 from ucm.core.store import PosixStore
 from ucm.fastdeploy.attention_store import AttentionStore
@@ -86,8 +86,8 @@ def _measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
 
     raw_dir = os.path.join(root, "raw")
     os.makedirs(raw_dir, exist_ok=True)
-    srcs = [_aligned(payload) for _ in range(16)]
-    dsts = [_aligned(payload) for _ in range(min(n, 128))]
+    srcs = [aligned(payload) for _ in range(16)]
+    dsts = [aligned(payload) for _ in range(min(n, 128))]
     store = PosixStore(PosixStoreConfig(path=os.path.join(root, "posix")))
 
     def fd(version: str, slice_blocks: int) -> AttentionStore:
@@ -108,10 +108,10 @@ def _measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
         times.setdefault(name, []).append(seconds)
 
     for r in range(args.repeat):
-        raw_w, raw_r = _raw_file(raw_dir, srcs, dsts, n, False)
+        raw_w, raw_r = raw_file(raw_dir, srcs, dsts, n, False)
         keep("raw_write", raw_w)
         keep("raw_read", raw_r)
-        store_w, store_r = _through_store(store, srcs, dsts, n)
+        store_w, store_r = through_store(store, srcs, dsts, n)
         keep("store_write", store_w)
         keep("store_read", store_r)
         cases = [("write", 100), ("unsliced_write", n)]

@@ -36,6 +36,14 @@ class RequestState:
     load_step: bool = False  # scheduled with a sync load this step: no dumps planned in it
     load_failed: bool = False  # a load of this request failed: it is not loaded again
 
+    def settle_load(self, computed: int, block_tokens: int) -> None:
+        """Check the last planned load against the tokens vLLM counts as computed.  Short of
+        what the load covered, it failed from there: vLLM recomputes those blocks, and they
+        are dumped again."""
+        if computed < self.loaded_to:
+            self.next_dump = min(self.next_dump, computed // block_tokens)
+        self.loaded_to = 0
+
 
 class SchedulerSide:
     def __init__(
@@ -121,8 +129,8 @@ class SchedulerSide:
         if state.loaded_to:
             # Asked again before the planned load was ever scheduled: vLLM gave the request
             # back after the load failed.  Retrying could fail the same way forever.
-            state.load_failed, state.loaded_to = True, 0
-            state.next_dump = min(state.next_dump, num_computed_tokens // self.layout.block_tokens)
+            state.load_failed = True
+            state.settle_load(num_computed_tokens, self.layout.block_tokens)
         if not state.chain or state.load_failed:
             return 0, False
         bt = self.layout.block_tokens
@@ -185,10 +193,7 @@ class SchedulerSide:
                 continue
             computed = state.request.num_computed_tokens
             if state.loaded_to:
-                if computed < state.loaded_to:
-                    # The load failed from here and vLLM recomputes: dump what it computes.
-                    state.next_dump = min(state.next_dump, computed // self.layout.block_tokens)
-                state.loaded_to = 0
+                state.settle_load(computed, self.layout.block_tokens)
             if not self.dumps:
                 continue
             transfer = self._dump(state, computed + n_scheduled, block_state.get_block_ids(req_id))

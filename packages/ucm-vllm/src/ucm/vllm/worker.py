@@ -22,15 +22,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import attrs
 import torch
-from ucm.core.keys import Namespace, scoped_keys
+from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store import KeyResult, Task
 from ucm.kernels import HostStager, payload_nbytes
 from ucm.vllm.buffers import RowPool
-from ucm.vllm.layout import ModelLayout
+from ucm.vllm.layout import GroupLayout, ModelLayout
 from ucm.vllm.metadata import Item, Transfer, UCMConnectorMetadata
 from ucm.vllm.stats import UCMStats
 from ucm.vllm.stores import ConnectorStores
@@ -82,7 +84,8 @@ class WorkerSide:
         self.staging_bytes = staging_bytes
         self.caches: dict[int, list[torch.Tensor]] = {}
         self._nbytes: dict[tuple[int, int], int] = {}
-        self._scopes: dict[int, Namespace] = {}
+        # this rank's key scope of every group
+        self._scopes = {g.index: layout.scope(g, layout.rank) for g in layout.groups}
         self.loads: dict[str, LoadJob] = {}
         self.rows = RowPool(staging_bytes)
         self.stager = HostStager()
@@ -123,14 +126,7 @@ class WorkerSide:
 
     def _keys(self, items: list[Item]) -> list[bytes]:
         """This rank's store keys of ``items``."""
-        keys = []
-        for item in items:
-            scope = self._scopes.get(item.group)
-            if scope is None:
-                group = self.layout.groups[item.group]
-                scope = self._scopes[item.group] = self.layout.scope(group, self.layout.rank)
-            keys += scoped_keys([item.chain_key], scope)
-        return keys
+        return [scoped_keys([it.chain_key], self._scopes[it.group])[0] for it in items]
 
     # -- loads --
 
@@ -185,11 +181,8 @@ class WorkerSide:
         job = LoadJob(transfer, [], rows, started)
         if self.stores is None:
             return job
-        by_store: dict[int, list[int]] = defaultdict(list)
-        for pos, item in enumerate(items):
-            by_store[id(self.stores.of(self.layout.groups[item.group]))].append(pos)
-        for positions in by_store.values():
-            store = self.stores.of(self.layout.groups[items[positions[0]].group])
+        stores = self.stores
+        for store, positions in _positions(items, lambda it: stores.of(self._group(it))).items():
             keys = self._keys([items[p] for p in positions])
             try:
                 task = store.load(keys, [rows[p].numpy() for p in positions], LAYOUT_TAG)
@@ -201,10 +194,7 @@ class WorkerSide:
 
     def _take_rows(self, items: list[Item]) -> list[torch.Tensor]:
         rows: list[torch.Tensor | None] = [None] * len(items)
-        by_size: dict[int, list[int]] = defaultdict(list)
-        for pos, item in enumerate(items):
-            by_size[self._item_bytes(item)].append(pos)
-        for nbytes, positions in by_size.items():
+        for nbytes, positions in _positions(items, self._item_bytes).items():
             for pos, row in zip(positions, self.rows.take(nbytes, len(positions))):
                 rows[pos] = row
         return rows  # type: ignore[return-value]
@@ -226,7 +216,8 @@ class WorkerSide:
         use = [
             all_ok or (self._full(it) and (first_bad is None or it.key < first_bad)) for it in items
         ]
-        self._scatter([(it, row) for it, row, u in zip(items, job.rows, use) if u])
+        used = [p for p, u in enumerate(use) if u and p < len(job.rows)]
+        self._scatter([items[p] for p in used], [job.rows[p] for p in used])
         self.rows.give(job.rows)
         if not all_ok:
             problems = {r.detail or r.status.value for r in results if r and not r.ok} or {
@@ -250,21 +241,21 @@ class WorkerSide:
         )
         return all_ok
 
-    def _full(self, item: Item) -> bool:
-        return self.layout.groups[item.group].kind == "full"
+    def _group(self, item: Item) -> GroupLayout:
+        return self.layout.groups[item.group]
 
-    def _scatter(self, pairs: list[tuple[Item, torch.Tensor]]) -> None:
-        batches: dict[tuple[int, int], list[tuple[Item, torch.Tensor]]] = defaultdict(list)
-        for item, row in pairs:
-            batches[(item.group, len(item.block_ids))].append((item, row))
+    def _full(self, item: Item) -> bool:
+        return self._group(item).kind == "full"
+
+    def _scatter(self, items: list[Item], rows: list[torch.Tensor]) -> None:
         handles = [
             self.stager.load(
                 self.caches[group],
-                [item.block_ids for item, _ in batch],
-                [row for _, row in batch],
+                [items[p].block_ids for p in positions],
+                [rows[p] for p in positions],
                 null_block_id=NULL_BLOCK,
             )
-            for (group, _), batch in batches.items()
+            for (group, _), positions in _positions(items, _shape).items()
         ]
         for handle in handles:
             handle.wait()  # the rows go back to the pool, and the forward pass reads
@@ -284,16 +275,9 @@ class WorkerSide:
             return
         for transfer in meta.dumps:
             started = time.perf_counter()
-            mine = [
-                it
-                for it in transfer.items
-                if self.layout.writes(self.layout.groups[it.group], it.key)
-            ]
-            batches: dict[tuple[int, int], list[Item]] = defaultdict(list)
-            for item in mine:
-                batches[(item.group, len(item.block_ids))].append(item)
-            for (group, _), items in batches.items():
-                self._dump(transfer.req_id, group, items)
+            mine = [it for it in transfer.items if self.layout.writes(self._group(it), it.key)]
+            for (group, _), positions in _positions(mine, _shape).items():
+                self._dump(transfer.req_id, group, [mine[p] for p in positions])
             self.stats.add(dump_seconds=time.perf_counter() - started)
 
     def _dump(self, req_id: str, group: int, items: list[Item]) -> None:
@@ -357,3 +341,16 @@ class WorkerSide:
         self.tracker.flush_all(timeout=10.0)
         if self.stores is not None:
             self.stores.close()
+
+
+def _shape(item: Item) -> tuple[int, int]:
+    """Items of one group and payload size: one kernel call moves them all."""
+    return item.group, len(item.block_ids)
+
+
+def _positions(items: list[Item], key: Callable[[Item], Hashable]) -> dict[Any, list[int]]:
+    """Positions of ``items`` by ``key``, in order."""
+    out: dict[Any, list[int]] = defaultdict(list)
+    for pos, item in enumerate(items):
+        out[key(item)].append(pos)
+    return out
