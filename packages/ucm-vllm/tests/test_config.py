@@ -54,7 +54,7 @@ def test_block_tokens_must_cover_whole_engine_blocks(tmp_path):
     vc = make_vllm_config(model)
     kv = full_attention_kv_cache_config(num_blocks=64, block_size=32)
     layout = describe(vc, kv, ConnectorConfig(block_tokens=256), 0, 2)
-    assert layout.stored_groups[0].blocks_per_store_block(256) == 8
+    assert layout.hybrid.blocks_per_boundary(layout.stored_groups[0].index) == 8
     assert layout.scope(layout.groups[0], 0) != layout.scope(layout.groups[0], 1)
     with pytest.raises(ValueError, match="block_tokens: 48 is not a multiple of the block size 32"):
         describe(vc, kv, ConnectorConfig(block_tokens=48), 0, 1)

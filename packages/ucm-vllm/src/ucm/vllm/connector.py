@@ -165,6 +165,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        elif self.scheduler is not None and self.scheduler.stores is not None:
+            self.scheduler.stores.close()
 
     # -- statistics --
 

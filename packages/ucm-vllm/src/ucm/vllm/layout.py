@@ -14,6 +14,7 @@ import re
 
 import attrs
 from ucm.core.hybrid import FULL, WINDOW, HybridLayout, KVGroup
+from ucm.core.hybrid_store import key_rank
 from ucm.core.keys import Namespace
 from ucm.vllm.config import ConnectorConfig
 
@@ -29,9 +30,6 @@ class GroupLayout:
     window_tokens: int = 0  # window groups: tokens attention looks back
     compress_ratio: int = 1  # compressor state: tokens per entry (1: none)
 
-    def blocks_per_store_block(self, block_tokens: int) -> int:
-        return block_tokens // self.engine_block_tokens
-
 
 @attrs.frozen
 class ModelLayout:
@@ -42,6 +40,8 @@ class ModelLayout:
     groups: tuple[GroupLayout, ...]
     # the engine-neutral description the planners work on
     hybrid: HybridLayout = attrs.field(init=False, eq=False, repr=False)
+    # (group index, rank) -> key scope digest, derived once: every lookup and transfer uses one
+    _scopes: dict[tuple[int, int], bytes] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         kv_groups = tuple(
@@ -55,6 +55,12 @@ class ModelLayout:
             for g in self.groups
         )
         object.__setattr__(self, "hybrid", HybridLayout(kv_groups, self.block_tokens))
+        scopes = {
+            (g.index, r): self._make_scope(g, r)
+            for g in self.groups
+            for r in range(self.world_size)
+        }
+        object.__setattr__(self, "_scopes", scopes)
 
     @property
     def has_windows(self) -> bool:
@@ -72,8 +78,11 @@ class ModelLayout:
             model=self.fingerprint, layout="vllm-token-chain", cache_salt=cache_salt or ""
         )
 
-    def scope(self, group: GroupLayout, rank: int) -> Namespace:
-        """The key scope of one group on one rank (replicated groups: one scope for all)."""
+    def scope(self, group: GroupLayout, rank: int) -> bytes:
+        """The key scope (digest) of one group on one rank (replicated groups: one for all)."""
+        return self._scopes[(group.index, rank)]
+
+    def _make_scope(self, group: GroupLayout, rank: int) -> Namespace:
         rank, world = (0, 1) if group.replicated else (rank, self.world_size)
         what = "tail" if group.kind == "window" else "store"
         return Namespace(
@@ -88,7 +97,7 @@ class ModelLayout:
         """Whether this rank dumps chain key ``key`` of ``group``: every rank its own shard;
         of a cache replicated on every rank, key ``i`` is written by rank ``i % world``
         (a window tail at boundary ``b`` has key ``b - 1``: it goes with that block)."""
-        return not group.replicated or key % self.world_size == self.rank
+        return not group.replicated or key_rank(key, self.world_size) == self.rank
 
 
 def model_fingerprint(vllm_config: object, override: str | None) -> str:

@@ -84,8 +84,6 @@ class WorkerSide:
         self.staging_bytes = staging_bytes
         self.caches: dict[int, list[torch.Tensor]] = {}
         self._nbytes: dict[tuple[int, int], int] = {}
-        # this rank's key scope of every group
-        self._scopes = {g.index: layout.scope(g, layout.rank) for g in layout.groups}
         self.loads: dict[str, LoadJob] = {}
         self.rows = RowPool(staging_bytes)
         self.stager = HostStager()
@@ -106,14 +104,14 @@ class WorkerSide:
         # Touch the rows of a typical load now (full-attention blocks of every group),
         # rather than on the first request.
         full = [g for g in self.layout.stored_groups if g.kind == "full"]
-        per_block = {g.index: self._row_bytes(g.index, self._per_block(g.index)) for g in full}
+        per_block = {
+            g.index: self._row_bytes(g.index, self.layout.hybrid.blocks_per_boundary(g.index))
+            for g in full
+        }
         if per_block:
             count = self.staging_bytes // sum(per_block.values())
             for nbytes in per_block.values():
                 self.rows.reserve(nbytes, count)
-
-    def _per_block(self, group: int) -> int:
-        return self.layout.hybrid.blocks_per_boundary(group)
 
     def _row_bytes(self, group: int, blocks: int) -> int:
         size = self._nbytes.get((group, blocks))
@@ -126,7 +124,10 @@ class WorkerSide:
 
     def _keys(self, items: list[Item]) -> list[bytes]:
         """This rank's store keys of ``items``."""
-        return [scoped_keys([it.chain_key], self._scopes[it.group])[0] for it in items]
+        rank = self.layout.rank
+        return [
+            scoped_keys([it.chain_key], self.layout.scope(self._group(it), rank))[0] for it in items
+        ]
 
     # -- loads --
 
