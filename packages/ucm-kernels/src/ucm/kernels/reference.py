@@ -8,6 +8,7 @@ payloads and fp8 bytes survive.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,42 +19,20 @@ def gather_reference(
     caches: Sequence[torch.Tensor],
     block_ids: object,
     buffers: torch.Tensor | Sequence[torch.Tensor],
-    *,
-    token_range: tuple[int, int] | None = None,
-    null_block_id: int | None = None,
-    scales: Sequence[torch.Tensor] | None = None,
+    **options: Any,
 ) -> None:
-    plan = build_plan(
-        GATHER,
-        caches,
-        block_ids,
-        buffers,
-        token_range=token_range,
-        null_block_id=null_block_id,
-        scales=scales,
-    )
-    run_reference(plan)
+    """:func:`ucm.kernels.gather` done by the reference (same keyword options)."""
+    run_reference(build_plan(GATHER, caches, block_ids, buffers, **options))
 
 
 def scatter_reference(
     caches: Sequence[torch.Tensor],
     block_ids: object,
     buffers: torch.Tensor | Sequence[torch.Tensor],
-    *,
-    token_range: tuple[int, int] | None = None,
-    null_block_id: int | None = None,
-    scales: Sequence[torch.Tensor] | None = None,
+    **options: Any,
 ) -> None:
-    plan = build_plan(
-        SCATTER,
-        caches,
-        block_ids,
-        buffers,
-        token_range=token_range,
-        null_block_id=null_block_id,
-        scales=scales,
-    )
-    run_reference(plan)
+    """:func:`ucm.kernels.scatter` done by the reference (same keyword options)."""
+    run_reference(build_plan(SCATTER, caches, block_ids, buffers, **options))
 
 
 def run_reference(plan: TransferPlan) -> None:
