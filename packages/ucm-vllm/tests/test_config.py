@@ -58,3 +58,24 @@ def test_block_tokens_must_cover_whole_engine_blocks(tmp_path):
     assert layout.scope(layout.groups[0], 0) != layout.scope(layout.groups[0], 1)
     with pytest.raises(ValueError, match="block_tokens: 48 is not a multiple of the block size 32"):
         describe(vc, kv, ConnectorConfig(block_tokens=48), 0, 1)
+
+
+def test_replicated_caches_split_their_writes_across_ranks():
+    from ucm.vllm.layout import GroupLayout, ModelLayout
+
+    def group(index, kind, replicated):
+        window = 128 if kind == "window" else 0
+        return GroupLayout(index, (f"l{index}",), 64, kind, replicated, "d", window_tokens=window)
+
+    groups = (group(0, "full", True), group(1, "window", True), group(2, "full", False))
+    ranks = [ModelLayout("m", 256, rank, 2, groups) for rank in range(2)]
+    for key in range(6):
+        # a replicated block (and the window tail that goes with it) has one writer
+        assert [r.writes(groups[0], key) for r in ranks].count(True) == 1
+        assert [r.writes(groups[1], key) for r in ranks] == [
+            r.writes(groups[0], key) for r in ranks
+        ]
+        assert all(r.writes(groups[2], key) for r in ranks)  # a shard: every rank its own
+    # replicated scopes are shared by every rank, sharded ones are not
+    assert ranks[0].scope(groups[0], 0) == ranks[1].scope(groups[0], 1)
+    assert ranks[0].scope(groups[2], 0) != ranks[1].scope(groups[2], 1)
