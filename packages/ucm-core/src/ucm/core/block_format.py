@@ -16,6 +16,7 @@ torn or overwritten header is detected like a bad payload.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import attrs
 import xxhash
@@ -44,19 +45,35 @@ class BlockHeader:
     version: int = FORMAT_VERSION
 
 
-def payload_checksum(payload: memoryview | bytes | bytearray) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+#: a payload: one buffer, or buffers whose concatenation it is (same checksum either way)
+PayloadBytes = memoryview | bytes | bytearray | Sequence[memoryview]
 
 
-def encode_header(
-    key: bytes, payload: memoryview | bytes | bytearray, layout: bytes = b""
-) -> bytes:
+def _parts(payload: PayloadBytes) -> Sequence[memoryview | bytes | bytearray]:
+    return payload if isinstance(payload, (list, tuple)) else (payload,)  # type: ignore[return-value]
+
+
+def payload_nbytes(payload: PayloadBytes) -> int:
+    return sum(memoryview(p).nbytes for p in _parts(payload))
+
+
+def payload_checksum(payload: PayloadBytes) -> int:
+    parts = _parts(payload)
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    hasher = xxhash.xxh3_64()  # streaming xxh3 equals the one-shot digest of the whole
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+def encode_header(key: bytes, payload: PayloadBytes, layout: bytes = b"") -> bytes:
     """The header page for ``payload`` stored under ``key``."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
     if len(layout) > MAX_LAYOUT_BYTES:
         raise ValueError(f"layout descriptor is {len(layout)} bytes, at most {MAX_LAYOUT_BYTES}")
-    nbytes = memoryview(payload).nbytes
+    nbytes = payload_nbytes(payload)
     head = (
         _FIXED.pack(
             MAGIC,
@@ -113,8 +130,8 @@ def decode_header(
     return BlockHeader(key, payload_len, checksum, layout, version)
 
 
-def verify_payload(header: BlockHeader, payload: memoryview | bytes | bytearray) -> None:
-    nbytes = memoryview(payload).nbytes
+def verify_payload(header: BlockHeader, payload: PayloadBytes) -> None:
+    nbytes = payload_nbytes(payload)
     if nbytes != header.payload_len:
         raise BlockFormatError(f"payload is {nbytes} bytes, header says {header.payload_len}")
     if payload_checksum(payload) != header.payload_checksum:

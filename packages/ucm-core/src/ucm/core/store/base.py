@@ -3,20 +3,29 @@
 A store keeps opaque blocks (byte payloads) under 16-byte keys.  ``dump`` and ``load``
 return a :class:`Task` at once; the I/O runs on the store's threads; ``wait`` returns one
 :class:`KeyResult` per key.  Buffers handed to ``dump`` must stay unchanged, and buffers
-handed to ``load`` untouched by the caller, until the task is done.  The content of a load
-buffer whose result is not ``OK`` is undefined and must not be used.
+handed to ``load`` untouched by the caller, until the task is done, or until
+``task.cancel(wait=...)`` has returned true.  The content of a load buffer whose result is
+not ``OK`` is undefined and must not be used.
+
+A key's buffer is one buffer-protocol object, or a list or tuple of them whose concatenation
+is the payload (a scatter-gather list): an engine's cache blocks are dumped from and loaded
+into where they live, with no staging copy, and the stored block is the same either way.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 from ucm.core.keys import KEY_BYTES
+
+log = logging.getLogger(__name__)
 
 
 class Status(enum.Enum):
@@ -24,7 +33,7 @@ class Status(enum.Enum):
     MISS = "miss"  # nothing stored under the key
     CORRUPT = "corrupt"  # stored, but failed verification; removed, so it reads as a miss
     ERROR = "error"  # the I/O failed (disk full, permission, wrong buffer size, ...)
-    CANCELLED = "cancelled"  # the task was cancelled before this key started
+    CANCELLED = "cancelled"  # the task was cancelled before this key was done (not stored)
 
 
 @attrs.frozen
@@ -50,17 +59,34 @@ class StoreUsage:
 
 
 class Task:
-    """One batched operation in flight: completed key by key by the store's workers."""
+    """One batched operation in flight: completed key by key by the store's workers.
 
-    __slots__ = ("_callbacks", "_cancelled", "_event", "_lock", "_remaining", "_results")
+    A store's worker runs each key through :meth:`run_key`, which counts the keys in
+    progress, so that :meth:`cancel` can wait until none of them touches the caller's
+    buffers any more."""
+
+    __slots__ = (
+        "_busy",
+        "_callbacks",
+        "_cancelled",
+        "_event",
+        "_idle",
+        "_lock",
+        "_parts",
+        "_remaining",
+        "_results",
+    )
 
     def __init__(self, n: int) -> None:
         self._results: list[KeyResult | None] = [None] * n
         self._remaining = n
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0  # keys in progress in run_key
         self._event = threading.Event()
         self._cancelled = False
         self._callbacks: list[Callable[[Task], Any]] = []
+        self._parts: list[Task] = []  # sub-tasks of a combined task, cancelled with it
         if n == 0:
             self._event.set()
 
@@ -97,9 +123,50 @@ class Task:
                 return
         callback(self)
 
-    def cancel(self) -> None:
-        """Keys not yet started will finish as ``CANCELLED``; keys in progress complete."""
+    def run_key(self, index: int, work: Callable[[], KeyResult]) -> None:
+        """Run ``work()`` for key ``index`` and record its result, or record ``CANCELLED``
+        without running it once the task is cancelled.  An exception is an ``ERROR``
+        result: a bug in one key must not leave the task hanging."""
+        with self._lock:
+            start = not self._cancelled
+            if start:
+                self._busy += 1
+        if not start:
+            self.set_result(index, CANCELLED)
+            return
+        try:
+            try:
+                result = work()
+            except Exception as exc:
+                log.exception("ucm store: unexpected failure")
+                result = KeyResult(Status.ERROR, f"unexpected: {exc!r}")
+            self.set_result(index, result)  # callbacks run here, still counted as busy
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if not self._busy:
+                    self._idle.notify_all()
+
+    def cancel(self, wait: float | None = 0.0) -> bool:
+        """Stop the task: keys not yet started finish as ``CANCELLED``, and a dump in
+        progress is not published (its block is not stored); a load in progress completes.
+
+        ``wait``: seconds to wait (``None``: no limit) until no key is in progress.  Returns
+        whether none is: then the store no longer reads or writes the caller's buffers.  (Not
+        from a done callback of the task itself: the callback counts as in progress.)
+        """
         self._cancelled = True
+        with self._lock:
+            parts = list(self._parts)
+        deadline = None if wait is None else time.monotonic() + wait
+        quiet = all(part.cancel(_left(deadline)) for part in parts)
+        with self._lock:
+            while self._busy:
+                left = _left(deadline)
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return quiet
 
     @property
     def cancelled(self) -> bool:
@@ -107,6 +174,11 @@ class Task:
 
     def done(self) -> bool:
         return self._event.is_set()
+
+    def partial(self) -> list[KeyResult | None]:
+        """The results so far: ``None`` for keys not done yet (never blocks)."""
+        with self._lock:
+            return list(self._results)
 
     def wait(self, timeout: float | None = None) -> list[KeyResult]:
         if not self._event.wait(timeout):
@@ -117,6 +189,7 @@ class Task:
     def combine(cls, n: int, parts: Sequence[tuple[Sequence[int], Task]]) -> Task:
         """A task over ``n`` keys whose results come from ``parts`` (positions, sub-task)."""
         whole = cls(n)
+        whole._parts = [part for _, part in parts]
         for positions, part in parts:
 
             def forward(done: Task, positions: Sequence[int] = positions) -> None:
@@ -127,8 +200,56 @@ class Task:
         return whole
 
 
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class Payload:
+    """One key's buffer as byte views: the payload is the concatenation of ``parts``."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self.parts = tuple(parts)
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+    def copy_to(self, dst: memoryview) -> None:
+        """Write the payload to the start of ``dst``."""
+        at = 0
+        for part in self.parts:
+            dst[at : at + part.nbytes] = part
+            at += part.nbytes
+
+    def fill_from(self, src: memoryview) -> None:
+        """Fill the parts from the start of ``src``."""
+        at = 0
+        for part in self.parts:
+            part[:] = src[at : at + part.nbytes]
+            at += part.nbytes
+
+
+def as_payload(buffer: object, *, writable: bool, what: str) -> Payload:
+    """A buffer, or a list or tuple of buffers, as a :class:`Payload` (checked)."""
+    if isinstance(buffer, Payload):
+        return buffer
+    if isinstance(buffer, (list, tuple)):
+        if not buffer:
+            raise ValueError(f"{what} is an empty list: give at least one buffer")
+        return Payload(
+            [byte_view(b, writable=writable, what=f"{what}[{j}]") for j, b in enumerate(buffer)]
+        )
+    return Payload((byte_view(buffer, writable=writable, what=what),))
+
+
 def byte_view(buffer: object, *, writable: bool, what: str) -> memoryview:
     """A flat byte view of a buffer-protocol object; refuses what cannot be used as one."""
+    if type(buffer) is memoryview and buffer.ndim == 1 and buffer.format == "B":
+        # already flat bytes (a slice of one, too): the common case of payload parts
+        if buffer.strides != (1,):
+            raise ValueError(f"{what} must be C-contiguous")
+        if writable and buffer.readonly:
+            raise ValueError(f"{what} is read-only; a load needs a writable buffer")
+        return buffer
     try:
         view = memoryview(buffer)  # type: ignore[arg-type]
     except TypeError:
@@ -151,12 +272,12 @@ def check_keys(keys: Sequence[bytes]) -> None:
 
 def check_batch(
     keys: Sequence[bytes], buffers: Sequence[object], *, writable: bool
-) -> list[memoryview]:
-    """Validate a dump/load batch before any I/O starts; return the byte views."""
+) -> list[Payload]:
+    """Validate a dump/load batch before any I/O starts; return the payloads."""
     if len(keys) != len(buffers):
         raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
     check_keys(keys)
-    return [byte_view(b, writable=writable, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+    return [as_payload(b, writable=writable, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
 
 
 class Store(abc.ABC):
@@ -180,11 +301,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
-        """Store each buffer under its key; a key already stored is left as it is."""
+        """Store each buffer (or list of buffers: their concatenation) under its key; a key
+        already stored is left as it is."""
 
     @abc.abstractmethod
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
-        """Fill each buffer with its key's block; the buffer size must equal the block's."""
+        """Fill each buffer (or list of buffers, in order) with its key's block; the size must
+        equal the block's."""
 
     def wait(self, task: Task, timeout: float | None = None) -> list[KeyResult]:
         """Per-key results; ``TimeoutError`` if the task is not done within ``timeout``."""

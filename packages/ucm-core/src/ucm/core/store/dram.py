@@ -21,6 +21,7 @@ from ucm.core.store.base import (
     MISS,
     OK,
     KeyResult,
+    Payload,
     Status,
     Store,
     StoreUsage,
@@ -106,7 +107,7 @@ class DramStore(Store):
         self._bytes -= old.nbytes
         self._arena.release(old)
 
-    def _put(self, key: bytes, payload: memoryview, layout: bytes) -> KeyResult:
+    def _put(self, key: bytes, payload: Payload, layout: bytes) -> KeyResult:
         size = payload.nbytes
         if size > self._capacity:
             return KeyResult(
@@ -128,7 +129,7 @@ class DramStore(Store):
                 buf = self._arena.alloc(size)
             if buf is None:  # pragma: no cover - the arena maps at least one block's worth
                 return KeyResult(Status.ERROR, "out of memory for the dram store")
-            buf[:] = payload
+            payload.copy_to(buf)
             self._blocks[key] = (layout, buf)
             self._bytes += size
             return OK
@@ -137,7 +138,7 @@ class DramStore(Store):
         views = check_batch(keys, buffers, writable=True)
         return Task.completed([self._get(bytes(k), v, layout) for k, v in zip(keys, views)])
 
-    def _get(self, key: bytes, out: memoryview, layout: bytes) -> KeyResult:
+    def _get(self, key: bytes, out: Payload, layout: bytes) -> KeyResult:
         with self._lock:
             entry = self._blocks.get(key)
             if entry is None:
@@ -150,7 +151,7 @@ class DramStore(Store):
                     f"asked for {out.nbytes} bytes of layout {layout!r}",
                 )
             self._blocks.move_to_end(key)
-            out[:] = buf
+            out.fill_from(buf)
             return OK
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import attrs
@@ -51,6 +51,7 @@ from ucm.core.store.base import (
     MISS,
     OK,
     KeyResult,
+    Payload,
     Status,
     Store,
     StoreUsage,
@@ -354,7 +355,7 @@ class PosixStore(Store):
                 self._published_before_scan = set()
                 self._scanned.set()
 
-    def _run(self, n: int, work: object) -> Task:
+    def _run(self, n: int, work: Callable[[Task, int], KeyResult]) -> Task:
         """Run ``work(task, index)`` for every index on the I/O threads."""
         task = Task(n)
         if n == 0:
@@ -363,15 +364,7 @@ class PosixStore(Store):
 
         def worker() -> None:
             for i in indices:
-                if task.cancelled:
-                    task.set_result(i, CANCELLED)
-                    continue
-                try:
-                    result = work(i)  # type: ignore[operator]
-                except Exception as exc:  # a bug must not leave a task hanging
-                    log.exception("ucm posix store: unexpected failure")
-                    result = KeyResult(Status.ERROR, f"unexpected: {exc!r}")
-                task.set_result(i, result)
+                task.run_key(i, lambda i=i: work(task, i))  # type: ignore[misc]
 
         for _ in range(min(n, self.config.io_threads)):
             self._pool.submit(worker)
@@ -434,9 +427,11 @@ class PosixStore(Store):
         views = check_batch(keys, buffers, writable=False)
         if self._read_only:
             return Task.completed([KeyResult(Status.ERROR, "the store is read-only")] * len(keys))
-        return self._run(len(keys), lambda i: self._dump_one(bytes(keys[i]), views[i], layout))
+        return self._run(
+            len(keys), lambda task, i: self._dump_one(task, bytes(keys[i]), views[i], layout)
+        )
 
-    def _dump_one(self, key: bytes, payload: memoryview, layout: bytes) -> KeyResult:
+    def _dump_one(self, task: Task, key: bytes, payload: Payload, layout: bytes) -> KeyResult:
         key_hex = key.hex()
         final = self._path(key_hex)
         if os.path.isfile(final):
@@ -455,7 +450,7 @@ class PosixStore(Store):
         published = False
         fd = -1
         try:
-            header = encode_header(key, payload, layout)
+            header = encode_header(key, payload.parts, layout)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
             if self._direct:
                 flags |= _O_DIRECT
@@ -467,17 +462,22 @@ class PosixStore(Store):
             if self._direct:
                 buf = self._bounce.get(size)
                 buf[:HEADER_BYTES] = header
-                buf[HEADER_BYTES : HEADER_BYTES + payload.nbytes] = payload
+                payload.copy_to(memoryview(buf)[HEADER_BYTES:])
                 buf[HEADER_BYTES + payload.nbytes : size] = bytes(
                     size - HEADER_BYTES - payload.nbytes
                 )
                 _pwrite_all(fd, [memoryview(buf)[:size]])
             else:
-                _pwrite_all(fd, [memoryview(header), payload])
+                _pwrite_all(fd, [memoryview(header), *payload.parts])
             if self.config.fsync != "never":
                 os.fsync(fd)
             os.close(fd)
             fd = -1
+            if task.cancelled:
+                # The caller may have taken its buffers back while they were being written:
+                # what the file holds is not known to be the payload.
+                os.unlink(tmp)
+                return CANCELLED
             os.rename(tmp, final)
             published = True
             if self.config.fsync == "full":
@@ -501,9 +501,11 @@ class PosixStore(Store):
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         self._check_open()
         views = check_batch(keys, buffers, writable=True)
-        return self._run(len(keys), lambda i: self._load_one(bytes(keys[i]), views[i], layout))
+        return self._run(
+            len(keys), lambda task, i: self._load_one(bytes(keys[i]), views[i], layout)
+        )
 
-    def _load_one(self, key: bytes, out: memoryview, layout: bytes) -> KeyResult:
+    def _load_one(self, key: bytes, out: Payload, layout: bytes) -> KeyResult:
         key_hex = key.hex()
         path = self._path(key_hex)
         flags = os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if self._direct else 0)
@@ -531,7 +533,7 @@ class PosixStore(Store):
                 problem = _size_problem(header.payload_len, out.nbytes, got)
                 if problem:
                     return self._size_mismatch(problem, header.payload_len, out.nbytes)
-                out[:] = view[HEADER_BYTES : HEADER_BYTES + header.payload_len]
+                out.fill_from(view[HEADER_BYTES : HEADER_BYTES + header.payload_len])
             elif st.st_size == HEADER_BYTES + out.nbytes:
                 # The common case: the payload goes straight into ``out`` and is hashed
                 # chunk by chunk while each chunk is still in the CPU cache.
@@ -541,13 +543,13 @@ class PosixStore(Store):
                 header = decode_header(page, expect_key=key)
                 if header.payload_len != out.nbytes:
                     return self._size_mismatch("size", header.payload_len, out.nbytes)
-                checksum = _read_hashing(fd, out, HEADER_BYTES)
+                checksum = _read_hashing(fd, out.parts, HEADER_BYTES)
             else:
                 header = decode_header(os.pread(fd, HEADER_BYTES, 0), expect_key=key)
                 problem = _size_problem(header.payload_len, out.nbytes, st.st_size)
                 if problem:
                     return self._size_mismatch(problem, header.payload_len, out.nbytes)
-                _pread_into(fd, out, HEADER_BYTES)
+                checksum = _read_hashing(fd, out.parts, HEADER_BYTES)
             if header.layout != layout:  # the caller's mistake: the block itself is fine
                 self._count_error()
                 return KeyResult(
@@ -555,7 +557,7 @@ class PosixStore(Store):
                     f"stored block has layout {header.layout!r}, asked for {layout!r}",
                 )
             if checksum is None:
-                verify_payload(header, out)
+                verify_payload(header, out.parts)
             elif checksum != header.payload_checksum:
                 raise BlockFormatError("payload checksum mismatch")
             try:
@@ -662,17 +664,22 @@ def _size_problem(stored: int, wanted: int, available: int) -> str | None:
     return None
 
 
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
 def _pwrite_all(fd: int, parts: list[memoryview]) -> None:
     offset = 0
     parts = [p for p in parts if p.nbytes]
     while parts:
-        written = os.pwritev(fd, parts, offset)
+        written = os.pwritev(fd, parts[:_IOV_MAX], offset)
         if written <= 0:
             raise OSError(errno.EIO, "write returned no progress")
         offset += written
-        while parts and written >= parts[0].nbytes:
-            written -= parts[0].nbytes
-            parts.pop(0)
+        done = 0
+        while done < len(parts) and written >= parts[done].nbytes:
+            written -= parts[done].nbytes
+            done += 1
+        del parts[:done]
         if parts and written:
             parts[0] = parts[0][written:]
 
@@ -694,14 +701,34 @@ def _pread_into(fd: int, out: memoryview, offset: int) -> int:
 _HASH_CHUNK = 256 << 10  # fits the L2 cache: read, then hash while it is there
 
 
-def _read_hashing(fd: int, out: memoryview, offset: int) -> int:
-    """Fill ``out`` from ``offset`` and return the xxh3-64 of what was read."""
+def _read_hashing(fd: int, parts: Sequence[memoryview], offset: int) -> int:
+    """Fill ``parts`` in order from ``offset`` and return the xxh3-64 of what was read.
+
+    Reads go in pieces of about ``_HASH_CHUNK`` bytes (small parts together, large ones
+    cut), each hashed while it is still in the CPU cache."""
     hasher = xxhash.xxh3_64()
-    for start in range(0, out.nbytes, _HASH_CHUNK):
-        chunk = out[start : start + _HASH_CHUNK]
-        if os.preadv(fd, [chunk], offset + start) < chunk.nbytes:
+    group: list[memoryview] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal offset, size
+        if os.preadv(fd, group, offset) < size:
             raise BlockFormatError("file shrank while being read")
-        hasher.update(chunk)
+        for piece in group:
+            hasher.update(piece)
+        offset += size
+        group.clear()
+        size = 0
+
+    for part in parts:
+        for start in range(0, part.nbytes, _HASH_CHUNK):
+            piece = part[start : start + _HASH_CHUNK]
+            if size + piece.nbytes > _HASH_CHUNK or len(group) == _IOV_MAX:
+                flush()
+            group.append(piece)
+            size += piece.nbytes
+    if group:
+        flush()
     return hasher.intdigest()
 
 

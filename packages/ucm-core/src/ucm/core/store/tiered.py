@@ -33,6 +33,8 @@ class TieredStore(Store):
         below = self.backing.load([keys[i] for i in rest], [views[i] for i in rest], layout)
 
         def promote(done: Task) -> None:
+            if done.cancelled:  # the caller may have taken the buffers back already
+                return
             good = [i for i, r in zip(rest, done.wait(0)) if r.ok]
             self.dram.dump([keys[i] for i in good], [views[i] for i in good], layout)
 

@@ -1,0 +1,192 @@
+"""Keys whose buffer is a list of buffers (scatter-gather), and cancelling a task in flight."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+from ucm.core.block_format import HEADER_BYTES, decode_header
+from ucm.core.config import DramStoreConfig, PosixStoreConfig
+from ucm.core.store import DramStore, PosixStore, Status, TieredStore
+from ucm.core.store.posix import scan_store, verify_block_file
+
+
+def key(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
+
+
+def blob(i: int, size: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def cut(data: bytes, sizes: list[int]) -> list[bytearray]:
+    """``data`` as consecutive parts of ``sizes`` (the last takes the rest)."""
+    parts, at = [], 0
+    for n in sizes:
+        parts.append(bytearray(data[at : at + n]))
+        at += n
+    parts.append(bytearray(data[at:]))
+    return parts
+
+
+@pytest.fixture(params=["pagecache", "o_direct", "dram", "tiered"])
+def store(request, tmp_path):
+    if request.param == "dram":
+        s = DramStore(DramStoreConfig(capacity_gb=0.0625))
+    elif request.param == "tiered":
+        s = TieredStore(
+            DramStore(DramStoreConfig(capacity_gb=0.0625)),
+            PosixStore(PosixStoreConfig(path=str(tmp_path / "t"))),
+        )
+    else:
+        direct = request.param == "o_direct"
+        s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), o_direct=direct))
+    yield s
+    s.close()
+
+
+# Part sizes: tiny, empty, unaligned, larger than the 256 KiB hashing chunk.
+SIZES = [1, 0, 4095, 300 << 10, 17, 0, 64 << 10]
+
+
+def test_parts_and_one_buffer_are_the_same_block(store):
+    data = [blob(i, 700 << 10) for i in range(3)]
+    keys = [key(i) for i in range(3)]
+    # key 0 dumped as parts and key 1 as one buffer; both read back both ways
+    assert all(r.ok for r in store.wait(store.dump(keys[:1], [cut(data[0], SIZES)])))
+    assert all(r.ok for r in store.wait(store.dump(keys[1:2], [data[1]])))
+    for i in (0, 1):
+        whole = bytearray(len(data[i]))
+        parts = cut(bytes(len(data[i])), SIZES)
+        assert store.wait(store.load([keys[i]], [whole]))[0].ok
+        assert store.wait(store.load([keys[i]], [parts]))[0].ok
+        assert bytes(whole) == data[i] and b"".join(parts) == data[i]
+
+
+def test_stored_file_is_the_one_buffer_format(tmp_path):
+    with PosixStore(PosixStoreConfig(path=str(tmp_path / "p"))) as s:
+        data = blob(5, 100_000)
+        assert s.wait(s.dump([key(5)], [cut(data, [10, 20_000, 333])]))[0].ok
+        (block,) = scan_store(s.root).blocks
+        assert verify_block_file(block.path) is None
+        with open(block.path, "rb") as f:
+            raw = f.read()
+        header = decode_header(raw[:HEADER_BYTES], expect_key=key(5))
+        assert header.payload_checksum == xxhash.xxh3_64_intdigest(data)
+        assert raw[HEADER_BYTES:] == data
+
+
+def test_more_parts_than_one_system_call_takes(store):
+    n = 2500  # past IOV_MAX (1024 on Linux)
+    data = blob(9, n * 8)
+    parts = cut(data, [8] * (n - 1))
+    assert store.wait(store.dump([key(9)], [parts]))[0].ok
+    back = cut(bytes(len(data)), [8] * (n - 1))
+    assert store.wait(store.load([key(9)], [back]))[0].ok
+    assert b"".join(back) == data
+
+
+def test_numpy_row_views_are_loaded_in_place(store):
+    cache = np.zeros((4, 3, 1000), dtype=np.uint8)  # 4 blocks of 3 layers
+    data = blob(3, 3000)
+    assert store.wait(store.dump([key(3)], [data]))[0].ok
+    assert store.wait(store.load([key(3)], [[cache[2, j] for j in range(3)]]))[0].ok
+    assert cache[2].tobytes() == data and not cache[[0, 1, 3]].any()
+
+
+def test_bad_parts_are_refused_before_any_io(store):
+    with pytest.raises(ValueError, match=r"buffers\[0\] is an empty list"):
+        store.dump([key(1)], [[]])
+    with pytest.raises(TypeError, match=r"buffers\[0\]\[1\] must support the buffer protocol"):
+        store.dump([key(1)], [[b"ab", 3]])
+    with pytest.raises(ValueError, match=r"buffers\[0\]\[0\] is read-only"):
+        store.load([key(1)], [[b"ab", bytearray(2)]])
+    assert store.lookup([key(1)]) == [False]
+
+
+def test_parts_of_the_wrong_total_size_are_an_error(store):
+    store.wait(store.dump([key(1)], [blob(1, 5000)]))
+    (result,) = store.wait(store.load([key(1)], [[bytearray(4000), bytearray(999)]]))
+    assert result.status is Status.ERROR
+    assert store.lookup([key(1)]) == [True]
+
+
+def test_corrupt_block_read_into_parts_is_a_miss(tmp_path):
+    with PosixStore(PosixStoreConfig(path=str(tmp_path / "p"))) as s:
+        s.wait(s.dump([key(1)], [blob(1, 50_000)]))
+        (block,) = scan_store(s.root).blocks
+        with open(block.path, "r+b") as f:
+            f.seek(HEADER_BYTES + 40_000)
+            f.write(b"\xff\x00")
+        (result,) = s.wait(s.load([key(1)], [cut(bytes(50_000), [1000, 30_000])]))
+        assert result.status is Status.CORRUPT
+        assert s.lookup([key(1)]) == [False]
+
+
+# --- cancelling -------------------------------------------------------------------------------
+
+
+class Gate:
+    """Holds the first call of ``os.<name>`` made by the store's threads until opened."""
+
+    def __init__(self, monkeypatch, name: str) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        real = getattr(os, name)
+
+        def held(*args, **kwargs):
+            if threading.current_thread().name.startswith("ucm-posix"):
+                self.entered.set()
+                assert self.opened.wait(10)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(os, name, held)
+
+
+def test_a_dump_cancelled_in_progress_is_not_published(tmp_path, monkeypatch):
+    with PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), io_threads=1)) as s:
+        gate = Gate(monkeypatch, "pwritev")
+        task = s.dump([key(1), key(2)], [blob(1, 8192), blob(2, 8192)])
+        assert gate.entered.wait(10)
+        assert task.cancel(wait=0.05) is False  # key 1 is still being written
+        gate.opened.set()
+        assert task.cancel(wait=10) is True
+        assert [r.status for r in s.wait(task, 0)] == [Status.CANCELLED, Status.CANCELLED]
+        assert s.lookup([key(1), key(2)]) == [False, False]
+        scan = scan_store(s.root)
+        assert scan.blocks == [] and scan.foreign == []
+        leftovers = [n for _, _, files in os.walk(s.root) for n in files if n.endswith(".tmp")]
+        assert leftovers == []
+        assert s.usage().bytes == 0
+
+
+def test_cancel_waits_for_a_load_in_progress(tmp_path, monkeypatch):
+    with PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), io_threads=1)) as s:
+        data = blob(1, 8192)
+        s.wait(s.dump([key(1), key(2)], [data, data]))
+        gate = Gate(monkeypatch, "preadv")
+        out = [bytearray(8192), bytearray(8192)]
+        task = s.load([key(1), key(2)], out)
+        assert gate.entered.wait(10)
+        threading.Timer(0.2, gate.opened.set).start()
+        assert task.cancel(wait=10) is True
+        # once cancel returned, nothing writes the buffers any more
+        assert task.done()
+        assert [r.status for r in task.wait(0)] == [Status.OK, Status.CANCELLED]
+        assert bytes(out[0]) == data and out[1] == bytearray(8192)
+
+
+def test_cancelling_a_tiered_load_cancels_the_backing_load(tmp_path, monkeypatch):
+    dram = DramStore(DramStoreConfig(capacity_gb=1 / 1024))
+    backing = PosixStore(PosixStoreConfig(path=str(tmp_path / "t"), io_threads=1))
+    with TieredStore(dram, backing) as s:
+        data = blob(1, 4096)
+        s.wait(backing.dump([key(1), key(2)], [data, data]))
+        gate = Gate(monkeypatch, "preadv")
+        task = s.load([key(1), key(2)], [bytearray(4096), bytearray(4096)])
+        assert gate.entered.wait(10)
+        threading.Timer(0.1, gate.opened.set).start()
+        assert task.cancel(wait=10) is True
+        assert task.done()
+        assert dram.lookup([key(1), key(2)]) == [False, False]  # nothing promoted
