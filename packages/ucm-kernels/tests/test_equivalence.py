@@ -178,12 +178,15 @@ def cases(draw, scatter_side: bool, small: bool = False) -> Case:
 def _run(direction: str, caches, block_ids, buffers, backend: str, **kwargs) -> None:
     """``backend``: reference, triton, or a forced variant of the fallback: torch-1 and
     torch-2 on 1 or 2 threads (the threaded split otherwise starts at 8 MiB), torch-index
-    scattering with index_copy_ as it does on a GPU."""
+    scattering with index_copy_ as it does on a GPU, all without the contiguous-run copies;
+    torch-runs with them where the layout allows (the general way elsewhere)."""
     plan = build_plan(direction, caches, block_ids, buffers, **kwargs)
     if backend == "torch-index":
-        run_fallback(plan, workers=1, per_block=False)
+        run_fallback(plan, workers=1, per_block=False, runs=False)
+    elif backend == "torch-runs":
+        run_fallback(plan)
     elif backend.startswith("torch-"):
-        run_fallback(plan, workers=int(backend.removeprefix("torch-")))
+        run_fallback(plan, workers=int(backend.removeprefix("torch-")), runs=False)
     else:
         assert execute(plan, backend) == backend
 
@@ -215,7 +218,7 @@ def _check_scatter(case: Case, backend: str) -> None:
         assert_bits_equal(b2, b, f"buffer {s}")  # scatter leaves the buffers alone
 
 
-FALLBACK = ["torch-1", "torch-2", "torch-index"]
+FALLBACK = ["torch-1", "torch-2", "torch-index", "torch-runs"]
 
 
 @pytest.mark.parametrize("backend", FALLBACK)

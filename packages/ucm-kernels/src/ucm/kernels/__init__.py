@@ -3,6 +3,8 @@
 ``gather`` (dump side) copies engine blocks of many layers into one contiguous buffer per
 store block, in the canonical layout of :mod:`ucm.kernels.spec`; ``scatter`` (load side) is
 the reverse.  A Triton kernel runs on a GPU; a torch fallback runs everywhere else.
+:func:`block_segments` gives a payload as views of the cache memory instead, where the
+layout makes it one (on the CPU: then a store reads and writes the caches in place).
 :class:`HostStager` moves the same payloads between a GPU and pinned host buffers on a side
 stream.
 """
@@ -19,6 +21,7 @@ from ucm.kernels.api import (
 )
 from ucm.kernels.layouts import logical_view
 from ucm.kernels.reference import gather_reference, scatter_reference
+from ucm.kernels.segments import block_segments
 from ucm.kernels.spec import SUPPORTED_DTYPES, CacheSpec, PayloadLayout, make_layout
 from ucm.kernels.staging import HostStager, TransferHandle, alloc_host_buffers
 from ucm.kernels.validate import TransferPlan, build_plan, describe_caches
@@ -32,6 +35,7 @@ __all__ = [
     "TransferHandle",
     "TransferPlan",
     "alloc_host_buffers",
+    "block_segments",
     "build_plan",
     "describe_caches",
     "execute",

@@ -16,6 +16,10 @@ release the GIL), each worker reusing its temporaries: up to 1.3x on 2 cores.  T
 per-block scatter is bound by Python dispatch and gains nothing from threads.
 
 Data is moved as same-width integers so that no float conversion can touch a bit.
+
+Where every part of a payload is one contiguous run of cache memory (:mod:`ucm.kernels.
+segments`: FastDeploy's layout, for one), both directions are plain memory copies of those
+runs instead: about 9 GB/s here against 2-4 GB/s for the ``index_select`` way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ucm.kernels.segments import Segments, plan_segments
 from ucm.kernels.validate import GATHER, TransferPlan
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -43,10 +48,19 @@ def as_bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def run_fallback(
-    plan: TransferPlan, workers: int | None = None, per_block: bool | None = None
+    plan: TransferPlan,
+    workers: int | None = None,
+    per_block: bool | None = None,
+    runs: bool = True,
 ) -> None:
     """Execute ``plan`` on ``workers`` threads (default: by size and device); ``per_block``
-    picks slice copies over ``index_copy_`` for scatter (default: on the CPU)."""
+    picks slice copies over ``index_copy_`` for scatter (default: on the CPU); ``runs``
+    copies contiguous runs where the layout has them (false: the general way always)."""
+    if runs:
+        segments = plan_segments(plan)  # None off the CPU
+        if segments is not None:
+            copy_segments(plan, segments)
+            return
     if per_block is None:
         per_block = plan.device.type == "cpu"
     if workers is None:
@@ -69,6 +83,21 @@ def run_fallback(
             f.result()  # re-raises a worker's exception
     if plan.scales is not None:
         copy_scales(plan)
+
+
+def copy_segments(plan: TransferPlan, segments: list[Segments]) -> None:
+    """Run ``plan`` as copies between each payload and the cache runs it is made of."""
+    gather = plan.direction == GATHER
+    for raw, parts in zip(plan.raw, segments):
+        payload = memoryview(raw.numpy())
+        at = 0
+        for part in parts:
+            n = part.nbytes
+            if gather:
+                payload[at : at + n] = part
+            else:
+                part[:] = payload[at : at + n]
+            at += n
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -1,0 +1,117 @@
+"""Store-block payloads as views of the cache memory they live in, where the layout allows.
+
+The canonical payload of a store block (:mod:`ucm.kernels.spec`) is, per cache tensor, an
+``[H, t, C]`` array, then the scale entries.  When each cache tensor's part is one
+contiguous run of its memory, the payload is just the concatenation of those runs (and the
+scale entries'), so nothing needs to be copied at all: a store reads and writes them in
+place, as a list of buffers per key.  FastDeploy's caches, ``[num_blocks, kv_heads,
+block_size, head_dim]`` and contiguous, are such a layout.
+
+A run is contiguous when the store block covers one engine block (``k = 1``) whose token
+range is contiguous in memory (all of it when there are several heads), or, for a
+single-head cache, several engine blocks (then one run per engine block).  Everything else,
+and every cache off the CPU, gives ``None``: the caller stages through :func:`gather` and
+:func:`scatter` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ucm.kernels.spec import PayloadLayout, make_layout
+from ucm.kernels.validate import TransferPlan, normalise_block_ids, normalise_caches
+
+#: one store block's payload: byte views whose concatenation it is
+Segments = list[memoryview]
+
+
+def block_segments(
+    caches: Sequence[torch.Tensor],
+    block_ids: object,
+    *,
+    token_range: tuple[int, int] | None = None,
+    null_block_id: int | None = None,
+    scales: Sequence[torch.Tensor] | None = None,
+) -> list[Segments] | None:
+    """Per store block, the byte views of the caches that make up its payload, in payload
+    order; ``None`` when the layout does not allow it (then use gather/scatter).
+
+    Same arguments as :func:`ucm.kernels.gather`, checked the same way.  The views share the
+    caches' memory: a store that loads into them writes the cache blocks directly.
+    """
+    views, scale_views, spec = normalise_caches(caches, scales)
+    ids = normalise_block_ids(block_ids, spec.num_blocks)
+    layout = make_layout(spec, int(ids.shape[1]), token_range)
+    return segments_of(views, scale_views, layout, ids, null_block_id)
+
+
+def plan_segments(plan: TransferPlan) -> list[Segments] | None:
+    """:func:`block_segments` for a checked plan."""
+    return segments_of(plan.caches, plan.scales, plan.layout, plan.block_ids, plan.null_block_id)
+
+
+def segments_of(
+    caches: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor] | None,
+    layout: PayloadLayout,
+    block_ids: torch.Tensor,
+    null_block_id: int | None,
+) -> list[Segments] | None:
+    """The segments of ``[B, H, N, P, D]`` cache views; see :func:`block_segments`."""
+    if caches[0].device.type != "cpu":
+        return None
+    spec = layout.cache
+    involved = block_ids[:, layout.first_block : layout.end_block]
+    if null_block_id is not None and bool((involved == null_block_id).any()):
+        return None  # a null block reads as zeros and is never written: not memory
+    count = layout.num_involved_blocks
+    if count > 1 and spec.num_heads > 1:
+        return None  # heads are outermost in the payload: the blocks' runs interleave
+    n = spec.block_size
+    t0, t1 = layout.token_start, int(layout.token_end)  # type: ignore[arg-type]
+    # per involved engine block j: its token range [lo, hi) within the block
+    ranges = [
+        (max(t0, j * n) - j * n, min(t1, (j + 1) * n) - j * n)
+        for j in range(layout.first_block, layout.end_block)
+    ]
+    runs = []  # per cache: (flat bytes, bytes per block, [(offset, length) per j])
+    for view in caches:
+        if any(not view[0, :, lo:hi].is_contiguous() for lo, hi in ranges):
+            return None
+        size = view.element_size()
+        places = [
+            (lo * view.stride(2) * size, view[0, :, lo:hi].numel() * size) for lo, hi in ranges
+        ]
+        runs.append((_flat_bytes(view), view.stride(0) * size, places))
+    for scale in scales or ():
+        if not scale[0].is_contiguous():
+            return None
+        size = scale.element_size()
+        entry = math.prod(scale.shape[1:]) * size
+        runs.append((_flat_bytes(scale), scale.stride(0) * size, [(0, entry)]))
+    rows = involved.tolist()
+    segments = []
+    data, scale_runs = runs[: len(caches)], runs[len(caches) :]
+    for row in rows:
+        parts = [
+            flat[b * step + off : b * step + off + length]
+            for flat, step, places in data
+            for b, (off, length) in zip(row, places)
+        ]
+        parts += [
+            flat[b * step : b * step + places[0][1]]
+            for flat, step, places in scale_runs
+            for b in row
+        ]
+        segments.append(parts)
+    return segments
+
+
+def _flat_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes from ``tensor``'s first element to its last, as one writable view."""
+    span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride()))
+    flat = torch.as_strided(tensor.detach(), (span,), (1,), tensor.storage_offset())
+    return memoryview(flat.view(torch.uint8).numpy())
