@@ -139,11 +139,12 @@ class WrappedStore(Store):
 
         def worker() -> None:
             for i in range(n):
-                if task.cancelled:
-                    task.set_result(i, KeyResult(Status.CANCELLED))
-                    continue
-                time.sleep(delay)
-                task.set_result(i, one(i))
+
+                def work(i: int = i) -> KeyResult:
+                    time.sleep(delay)
+                    return one(i)
+
+                task.run_key(i, work)
 
         self._pool.submit(worker)
         return task

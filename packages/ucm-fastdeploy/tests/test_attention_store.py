@@ -39,12 +39,12 @@ def _assert_blocks_equal(dst, src, dst_ids, src_ids):
             assert block_bytes(d, a) == block_bytes(s, b), f"layer {layer} block {a} <- {b}"
 
 
-COPIES = pytest.mark.parametrize("copy", [True, False], ids=["block-copy", "kernels"])
+COPIES = pytest.mark.parametrize("copy", [True, False], ids=["in-place", "staged"])
 
 
 @COPIES
 def test_write_through_then_fresh_instance_reads(store_path, copy):
-    cfg = {"cpu_block_copy": copy}
+    cfg = {"zero_copy": copy}
     k, v = random_caches(1)
     prompt = tokens(5 * BLOCK + 3)  # five full blocks and a partial one
     table = [9, 2, 14, 5, 11]  # FastDeploy's block table for the full blocks
@@ -75,7 +75,7 @@ def test_write_through_then_fresh_instance_reads(store_path, copy):
 
 @COPIES
 def test_fp8_caches_with_scales_round_trip(store_path, copy):
-    cfg = {"cpu_block_copy": copy}
+    cfg = {"zero_copy": copy}
     k, v = random_caches(2, dtype="uint8")
     ks, vs = random_scales(3), random_scales(4)
     prompt = tokens(4 * BLOCK, seed=3)
@@ -93,7 +93,8 @@ def test_fp8_caches_with_scales_round_trip(store_path, copy):
         _assert_blocks_equal(dst, src, [0, 2, 5, 7], table)
 
 
-def test_read_stops_at_missing_and_corrupt_blocks(store_path, caplog):
+@COPIES
+def test_read_stops_at_missing_and_corrupt_blocks(store_path, caplog, copy):
     k, v = random_caches(5)
     prompt = tokens(6 * BLOCK, seed=5)
     with make_store(store_path) as fd:
@@ -105,7 +106,8 @@ def test_read_stops_at_missing_and_corrupt_blocks(store_path, caplog):
         f.seek(4096 + 10)
         f.write(bytes([byte[0] ^ 0xFF]))
     k2, v2 = zeros_like(k), zeros_like(v)
-    with make_store(store_path) as fd, caplog.at_level(logging.WARNING):
+    cfg = {"zero_copy": copy}
+    with make_store(store_path, ucm_config=cfg) as fd, caplog.at_level(logging.WARNING):
         assert fd.read("r", k2, v2, prompt, [6, 7, 8, 9, 10, 11], 0) == 4
         assert "read 4 of 6 blocks" in caplog.text
         assert fd.query("q", prompt, 0) == 4  # the corrupt block was removed
@@ -114,9 +116,12 @@ def test_read_stops_at_missing_and_corrupt_blocks(store_path, caplog):
         k3, v3 = zeros_like(k), zeros_like(v)
         assert fd.read("r", k3, v3, prompt, [6, 7, 8, 9], 0) == 1
     _assert_blocks_equal(k2, k, [6, 7, 8, 9], [0, 1, 2, 3])
-    for t in k2 + v2:  # nothing past the verified prefix was written
-        assert block_bytes(t, 10) == bytes(len(block_bytes(t, 10)))
-        assert block_bytes(t, 11) == bytes(len(block_bytes(t, 11)))
+    if not copy:  # staged: nothing past the verified prefix was written
+        for t in k2 + v2:
+            assert block_bytes(t, 10) == bytes(len(block_bytes(t, 10)))
+            assert block_bytes(t, 11) == bytes(len(block_bytes(t, 11)))
+    # (in place, blocks 10 and 11 were loaded into before the check failed: FastDeploy
+    # computes every block past the count it is given, as with its own backends)
 
 
 def test_token_ids_cover_only_full_blocks(store_path):
@@ -155,22 +160,52 @@ def test_failing_store_never_raises(store_path, caplog):
         store.close()
 
 
-def test_read_timeout_returns_the_loaded_prefix(store_path):
+@COPIES
+def test_read_timeout_returns_the_loaded_prefix(store_path, copy):
     k, v = random_caches(10)
     prompt = tokens(8 * BLOCK, seed=10)
     with make_store(store_path) as fd:
         assert fd.write("w", k, v, prompt, list(range(8)), 0) == 8
     store = WrappedStore(store_path, load_delay=0.3)
-    fd = make_store(store_path, store=store)
-    fd._mover.chunk_bytes = fd_block_nbytes()  # one block a step: 4 load at once, 0.3 s each
+    fd = make_store(store_path, store=store, ucm_config={"zero_copy": copy})
+    fd._mover.chunk_bytes = fd_block_nbytes()  # one block a step
     k2, v2 = zeros_like(k), zeros_like(v)
     got = fd.read("r", k2, v2, prompt, list(range(8, 16)), 0, timeout=0.45)
     assert 1 <= got < 8
     _assert_blocks_equal(k2, k, list(range(8, 8 + got)), list(range(got)))
-    store._pool.shutdown(wait=True)  # let the late loads finish: they fill staging only
-    for t in k2 + v2:
-        assert all(block_bytes(t, b) == bytes(len(block_bytes(t, b))) for b in range(8 + got, 16))
+    # when read returns, the store is done with the caches: nothing lands later
+    after = [all_bytes([t]) for t in k2 + v2]
+    store._pool.shutdown(wait=True)  # let every queued load run
+    assert [all_bytes([t]) for t in k2 + v2] == after
+    if not copy:  # staged: only the filled blocks were ever written
+        for t in k2 + v2:
+            assert all(
+                block_bytes(t, b) == bytes(len(block_bytes(t, b))) for b in range(8 + got, 16)
+            )
     store.close()
+
+
+def test_in_place_needs_no_staging_and_other_layouts_are_staged(store_path, monkeypatch):
+    k, v = random_caches(4, blocks=32)
+    prompt = tokens(3 * BLOCK, seed=4)
+    with make_store(store_path) as fd:
+
+        def no_staging(*args):
+            raise AssertionError("in place: no staging buffer")
+
+        monkeypatch.setattr(fd._mover.pool, "acquire", no_staging)
+        assert fd.write("w", k[:LAYERS], v[:LAYERS], prompt, [1, 2, 3], 0) == 3
+        k2, v2 = zeros_like(k), zeros_like(v)
+        assert fd.read("r", k2, v2, prompt, [7, 8, 9], 0) == 3
+        _assert_blocks_equal(k2, k, [7, 8, 9], [1, 2, 3])
+        monkeypatch.undo()
+        # every other block of a bigger allocation: strided views, staged through the kernels
+        import torch
+
+        ks = [torch.from_dlpack(t)[::2] for t in k2]
+        vs = [torch.from_dlpack(t)[::2] for t in v2]
+        assert fd.read("r", ks, vs, prompt, [4, 5, 6], 0) == 3
+        _assert_blocks_equal(k2, k, [8, 10, 12], [1, 2, 3])
 
 
 def test_flush_token_index_keeps_residency(store_path):

@@ -175,7 +175,7 @@ class AttentionStore:
             SHARED_POOL,
             self.settings.pipeline_chunk_mb << 20,
             self.settings.pipeline_depth,
-            self.settings.cpu_block_copy,
+            self.settings.zero_copy,
         )
         log.info(
             "ucm fastdeploy AttentionStore: namespace=%s model_version=%s shard=%d/%d "
@@ -272,7 +272,7 @@ class AttentionStore:
             timeout,
         )
 
-        ahead = Ahead(self._mover.pool)  # the next slice's first steps, gathered early
+        ahead = Ahead(self._mover.pool)  # staged: the next slice's first steps, gathered early
 
         def write_slice(s: int, e: int, budget: float) -> int:
             deadline = time.monotonic() + budget
@@ -321,7 +321,9 @@ class AttentionStore:
         began = time.monotonic()
         keys = self.keyspace.keys(tokens, start, start + n)
         label = f"task_id={task_id}"
-        filled = self._mover.read(cs, ids[:n], keys, began + timeout, label)
+        filled = self._mover.read(
+            cs, ids[:n], keys, began + timeout, self.settings.cancel_grace_s, label
+        )
         log.debug(
             "ucm fastdeploy read %s: blocks=[%d, %d) read=%d/%d seconds=%.3f",
             label,

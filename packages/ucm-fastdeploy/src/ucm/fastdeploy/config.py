@@ -71,26 +71,29 @@ class FastDeployConfig:
         metadata={"parse": _parse_policy},
     )
     pipeline_chunk_mb: int = setting(
-        "MiB of KV copied per step of a read or write: the store writes one step while the "
-        "next is gathered (rounded to whole blocks, at least one block).",
+        "MiB of KV per step of a read or write (rounded to whole blocks, at least one): a "
+        "staged write gathers the next step while the store writes one; a read uses each "
+        "step as soon as it is loaded.",
         default=32,
         validator=int_in_range(1, 1 << 16),
     )
     pipeline_depth: int = setting(
-        "Steps of one read or write in flight at once (bounds its staging memory to about "
-        "pipeline_depth x pipeline_chunk_mb).",
+        "Staged steps of one read or write in flight at once (bounds its staging memory to "
+        "about pipeline_depth x pipeline_chunk_mb; blocks moved in place need none).",
         default=4,
         validator=int_in_range(1, 64),
     )
-    cpu_block_copy: bool = setting(
-        "On the CPU, copy whole blocks of contiguous caches (FastDeploy's layout) with plain "
-        "memory copies; false sends every copy through ucm.kernels' general gather/scatter.",
+    zero_copy: bool = setting(
+        "Where the caches allow it (CPU tensors whose blocks are contiguous, FastDeploy's "
+        "layout), the store writes and reads the cache blocks in place, with no staging "
+        "copy; false stages every block through ucm.kernels' gather/scatter.",
         default=True,
         validator=boolean,
     )
     cancel_grace_s: float = setting(
-        "Seconds a timed-out write waits for the block writes already started, so that the "
-        "stored prefix is exact when it returns; blocks finishing later are removed.",
+        "Seconds a timed-out or failed read or write waits for the block I/O already "
+        "started, so that it returns with the store done with the caches and the stored "
+        "prefix exact; a block write finishing later is not published.",
         default=2.0,
         validator=positive_number,
     )

@@ -1,17 +1,24 @@
-"""Moving runs of blocks between the paged caches and the store, pipelined.
+"""Moving runs of blocks between the paged caches and the store.
 
-A write gathers a step of blocks into a staging buffer and hands it to the store, then
-gathers the next step while the store's threads write the previous one; a read keeps a few
-steps of loads in flight and scatters each verified step while the next ones load.  The
-store reads and writes the staging buffers in place: no copy besides the gather or scatter.
+Two ways, chosen per call:
+
+* **in place** (CPU caches whose blocks are contiguous, FastDeploy's layout): each block's
+  payload is a list of views of the cache memory (``ucm.kernels.block_segments``); the store
+  writes the file from, and reads it into, the caches directly, with no copy at all;
+* **staged** (GPU caches, other layouts): a write gathers a step of blocks into a staging
+  buffer and hands it to the store, gathering the next step while the store's threads write
+  the previous one; a read keeps a few steps of loads in flight and scatters each verified
+  step while the next ones load.  The copies go through ``ucm.kernels``.
 
 Both keep the stored prefix whole:
 
 * a write reports how many leading blocks are stored.  Past a failed block or the deadline it
-  cancels what has not started, waits a short grace for what has, and removes any block that
-  landed past the first gap, so a later lookup finds exactly the reported prefix;
-* a read scatters only the leading blocks that loaded and verified, and stops at the first
-  one that did not.
+  cancels the rest (a block being written when cancelled is not published), waits a short
+  grace for the store to let go of the buffers, and removes any block that landed past the
+  first gap, so a later lookup finds exactly the reported prefix;
+* a read uses only the leading blocks that loaded and verified, and stops at the first one
+  that did not.  Before it returns, the store has stopped writing the caches: loads not
+  started are cancelled and loads in progress are waited for (the grace).
 
 Staging buffers come from a pool and go back to it only once the store is done with them
 (a timed-out task may still be using its buffer after the call returns).
@@ -28,9 +35,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 from ucm.core.store import KeyResult, Status, Store, Task
-from ucm.fastdeploy.blockcopy import BlockCopier
 from ucm.fastdeploy.tensors import CacheSet
-from ucm.kernels import HostStager, alloc_host_buffers
+from ucm.kernels import HostStager, alloc_host_buffers, block_segments
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +75,12 @@ class _Step:
     offset: int  # first block of the step, counted from the call's first block
     count: int
     task: Task
-    buf: torch.Tensor
-
-    def results(self) -> list[KeyResult]:
-        return self.task.wait(0)
+    buf: torch.Tensor | None  # the staging rows; None in place
 
 
 @attrs.define
 class Ahead:
-    """Steps of the next slice, gathered while the writes of this one finish.
+    """Steps of the next slice, gathered while the writes of this one finish (staged writes).
 
     A slice ends by waiting for its last writes; gathering the next slice's first steps
     meanwhile keeps the copy and the store busy at once across slice boundaries.  The
@@ -101,18 +104,22 @@ class Ahead:
 SHARED_POOL = BufferPool()
 
 
-def leading_ok(results: Sequence[KeyResult]) -> int:
-    return next((i for i, r in enumerate(results) if not r.ok), len(results))
+def leading_ok(results: Sequence[KeyResult | None]) -> int:
+    """How many leading keys are done and OK (``None``: not done yet)."""
+    return next((i for i, r in enumerate(results) if r is None or not r.ok), len(results))
 
 
-def _problem(results: Sequence[KeyResult]) -> str:
-    bad = next((r for r in results if not r.ok), None)
-    return "" if bad is None else (bad.detail or bad.status.value)
+def _problem(results: Sequence[KeyResult | None]) -> str:
+    i = leading_ok(results)
+    if i == len(results):
+        return ""
+    bad = results[i]
+    return "timed out" if bad is None else (bad.detail or bad.status.value)
 
 
 class Mover:
-    """Moves whole blocks between the caches and the store: block copies for contiguous CPU
-    caches (:mod:`ucm.fastdeploy.blockcopy`), ``ucm.kernels`` (``HostStager``) otherwise."""
+    """Moves whole blocks between the caches and the store, in place where the caches allow
+    it and through ``ucm.kernels`` (``HostStager``) otherwise."""
 
     def __init__(
         self,
@@ -120,26 +127,26 @@ class Mover:
         pool: BufferPool,
         chunk_bytes: int,
         depth: int,
-        cpu_block_copy: bool = True,
+        zero_copy: bool = True,
     ) -> None:
         self.store = store
         self.pool = pool
         self.chunk_bytes = chunk_bytes
         self.depth = depth
-        self.cpu_block_copy = cpu_block_copy
+        self.zero_copy = zero_copy
         self._stagers = threading.local()  # a side stream per thread on a GPU
 
+    def _in_place(self, cs: CacheSet, block_ids: Sequence[int]) -> list[list[memoryview]] | None:
+        """Each block's payload as views of the caches, or None: stage it."""
+        if not self.zero_copy:
+            return None
+        return block_segments(list(cs.caches), block_ids, scales=cs.scales and list(cs.scales))
+
     def _gather(self, cs: CacheSet, block_ids: Sequence[int], buf: torch.Tensor) -> None:
-        if self.cpu_block_copy and BlockCopier.applies(cs):
-            BlockCopier(cs).gather(block_ids, buf)
-        else:
-            self._stager(cs.device).dump(cs.caches, block_ids, buf, scales=cs.scales).wait()
+        self._stager(cs.device).dump(cs.caches, block_ids, buf, scales=cs.scales).wait()
 
     def _scatter(self, cs: CacheSet, block_ids: Sequence[int], buf: torch.Tensor) -> None:
-        if self.cpu_block_copy and BlockCopier.applies(cs):
-            BlockCopier(cs).scatter(block_ids, buf)
-        else:
-            self._stager(cs.device).load(cs.caches, block_ids, buf, scales=cs.scales).wait()
+        self._stager(cs.device).load(cs.caches, block_ids, buf, scales=cs.scales).wait()
 
     def _stager(self, device: torch.device) -> HostStager:
         stagers = self._stagers.__dict__.setdefault("by_device", {})
@@ -149,6 +156,15 @@ class Mover:
 
     def _step_blocks(self, cs: CacheSet) -> int:
         return max(1, self.chunk_bytes // cs.nbytes)
+
+    def _stop(self, steps: Sequence[_Step], grace_s: float) -> bool:
+        """Cancel ``steps`` and wait up to ``grace_s`` until the store has let go of their
+        buffers; whether it has.  Staging buffers go back to the pool once it has."""
+        end = time.monotonic() + grace_s
+        quiet = True
+        for s in steps:
+            quiet = s.task.cancel(wait=max(0.0, end - time.monotonic())) and quiet
+        return quiet
 
     # -- write ----------------------------------------------------------------------------
 
@@ -165,13 +181,40 @@ class Mover:
     ) -> int:
         """Store ``block_ids`` under ``keys``; return how many leading blocks are stored.
 
-        With ``ahead``, steps gathered by the previous call are used, and the first steps of
-        ``next_ids`` (the next slice) are gathered while this call's writes finish."""
+        Staged, with ``ahead``: steps gathered by the previous call are used, and the first
+        steps of ``next_ids`` (the next slice) are gathered while this call's writes finish."""
+        n = len(keys)
+        step = self._step_blocks(cs)
+        tag = cs.tag()
+        steps: deque[_Step] = deque()
+        try:
+            segments = self._in_place(cs, block_ids)
+            if segments is not None:  # nothing to copy, no staging memory to bound
+                for off in range(0, n, step):
+                    task = self.store.dump(keys[off : off + step], segments[off : off + step], tag)
+                    steps.append(_Step(off, min(step, n - off), task, None))
+            else:
+                self._write_staged(cs, block_ids, keys, deadline, tag, steps, ahead)
+                if ahead is not None:
+                    self._gather_ahead(cs, steps, next_ids, ahead, deadline)
+        except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
+            log.warning("ucm fastdeploy %s: write of blocks %d.. failed: %s", label,
+                        sum(s.count for s in steps), exc)  # fmt: skip
+        return self._settle(steps, keys, deadline, grace_s, label)
+
+    def _write_staged(
+        self,
+        cs: CacheSet,
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        deadline: float,
+        tag: bytes,
+        steps: deque[_Step],
+        ahead: Ahead | None,
+    ) -> None:
         n = len(keys)
         step = self._step_blocks(cs)
         pin = cs.device.type == "cuda"
-        tag = cs.tag()
-        steps: deque[_Step] = deque()
         for off in range(0, n, step):
             # Bound the staging memory: wait for the oldest step before gathering another.
             while sum(not s.task.done() for s in steps) >= self.depth:
@@ -179,9 +222,9 @@ class Mover:
                 if not _wait(oldest.task, deadline):
                     break
             if time.monotonic() >= deadline or any(
-                s.task.done() and leading_ok(s.results()) < s.count for s in steps
+                s.task.done() and leading_ok(s.task.partial()) < s.count for s in steps
             ):
-                break
+                return
             count = min(step, n - off)
             buf = ahead.take(block_ids[off : off + count]) if ahead is not None else None
             try:
@@ -189,16 +232,12 @@ class Mover:
                     buf = self.pool.acquire(count, cs.nbytes, pin)
                     self._gather(cs, block_ids[off : off + count], buf)
                 task = self.store.dump(keys[off : off + count], _rows(buf), tag)
-            except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
+            except Exception:
                 if buf is not None:
                     self.pool.release(buf)
-                log.warning("ucm fastdeploy %s: write of blocks %d.. failed: %s", label, off, exc)
-                break
+                raise
             task.add_done_callback(lambda _t, b=buf: self.pool.release(b))
             steps.append(_Step(off, count, task, buf))
-        if ahead is not None:
-            self._gather_ahead(cs, steps, next_ids, ahead, deadline)
-        return self._settle(steps, keys, deadline, grace_s, label)
 
     def _gather_ahead(
         self,
@@ -235,22 +274,19 @@ class Mover:
         for s in steps:
             if not _wait(s.task, deadline):
                 break
-        late = [s for s in steps if not s.task.done()]
-        if late:
-            for s in late:
-                s.task.cancel()  # keys not started finish as CANCELLED
-            end = time.monotonic() + grace_s
-            for s in late:
-                _wait(s.task, end)
+        # Blocks being written when cancelled are not published, so whatever the store
+        # still does with the caches after the grace never becomes a block.
+        self._stop([s for s in steps if not s.task.done()], grace_s)
         written = 0
         for s in steps:
-            if not s.task.done():
-                break
-            results = s.results()
+            results = s.task.partial()
             good = leading_ok(results)
             written += good
             if good < s.count:
-                if results[good].status is not Status.CANCELLED:  # a timeout is told above
+                bad = results[good]
+                if (
+                    bad is not None and bad.status is not Status.CANCELLED
+                ):  # a timeout is told above
                     log.warning("ucm fastdeploy %s: block %d not stored: %s", label,
                                 s.offset + good, _problem(results))  # fmt: skip
                 break
@@ -290,6 +326,7 @@ class Mover:
         block_ids: Sequence[int],
         keys: Sequence[bytes],
         deadline: float,
+        grace_s: float,
         label: str,
     ) -> int:
         """Load ``keys`` into ``block_ids``; return how many leading blocks were filled."""
@@ -298,33 +335,30 @@ class Mover:
         pin = cs.device.type == "cuda"
         tag = cs.tag()
         pending: deque[_Step] = deque()
+        late: list[_Step] = []  # steps left behind still loading
         submitted = 0
         filled = 0
         problem = ""
         try:
+            segments = self._in_place(cs, block_ids)
+            depth = n if segments is not None else self.depth  # in place: no staging memory
             while True:
-                while submitted < n and len(pending) < self.depth:
+                while submitted < n and len(pending) < depth:
                     count = min(step, n - submitted)
-                    buf = self.pool.acquire(count, cs.nbytes, pin)
-                    try:
-                        task = self.store.load(keys[submitted : submitted + count], _rows(buf), tag)
-                    except Exception:
-                        self.pool.release(buf)
-                        raise
-                    pending.append(_Step(submitted, count, task, buf))
+                    pending.append(self._load(cs, keys, segments, submitted, count, pin, tag))
                     submitted += count
                 if not pending:
                     break
-                s = pending[0]
-                if not _wait(s.task, deadline):
-                    problem = "timed out"
-                    break
-                pending.popleft()
-                results = s.results()
+                s = pending.popleft()
+                finished = _wait(s.task, deadline)
+                if not finished:
+                    late.append(s)  # its leading loaded blocks still count
+                results = s.task.partial()
                 good = leading_ok(results)
-                if good:
+                if good and s.buf is not None:
                     self._scatter(cs, block_ids[s.offset : s.offset + good], s.buf[:good])
-                self.pool.release(s.buf)
+                if finished and s.buf is not None:
+                    self.pool.release(s.buf)
                 filled += good
                 if good < s.count:
                     problem = f"block {s.offset + good}: {_problem(results)}"
@@ -332,15 +366,55 @@ class Mover:
         except Exception as exc:  # noqa: BLE001 - a failing store is a shorter hit
             problem = f"failed: {exc}"
         finally:
-            for s in pending:  # their buffers may still be filled by the store's threads
-                s.task.cancel()
-                s.task.add_done_callback(lambda _t, b=s.buf: self.pool.release(b))
+            late += pending
+            if not self._stop(late, grace_s):
+                _warn_late(late, label)
+            for s in late:  # the store may still fill their staging rows
+                if s.buf is not None:
+                    s.task.add_done_callback(lambda _t, b=s.buf: self.pool.release(b))
         if filled < n:
             log.warning(
                 "ucm fastdeploy %s: read %d of %d blocks, stopped at %s", label, filled, n,
                 problem or "an unknown problem",
             )  # fmt: skip
         return filled
+
+    def _load(
+        self,
+        cs: CacheSet,
+        keys: Sequence[bytes],
+        segments: list[list[memoryview]] | None,
+        offset: int,
+        count: int,
+        pin: bool,
+        tag: bytes,
+    ) -> _Step:
+        """Submit the loads of blocks ``[offset, offset + count)``."""
+        ks = keys[offset : offset + count]
+        if segments is not None:
+            return _Step(
+                offset, count, self.store.load(ks, segments[offset : offset + count], tag), None
+            )
+        buf = self.pool.acquire(count, cs.nbytes, pin)
+        try:
+            task = self.store.load(ks, _rows(buf), tag)
+        except Exception:
+            self.pool.release(buf)
+            raise
+        return _Step(offset, count, task, buf)
+
+
+def _warn_late(late: Sequence[_Step], label: str) -> None:
+    blocks = [s.offset + i for s in late for i, r in enumerate(s.task.partial()) if r is None]
+    in_place = any(s.buf is None for s in late)
+    log.error(
+        "ucm fastdeploy %s: the store is still reading blocks %s after the grace; %s",
+        label,
+        blocks[:8],
+        "their cache blocks may still be written: they are not reported as read"
+        if in_place
+        else "their staging buffers are left to them",
+    )
 
 
 def _wait(task: Task, deadline: float) -> bool:
