@@ -140,7 +140,8 @@ class Mover:
         """Each block's payload as views of the caches, or None: stage it."""
         if not self.zero_copy:
             return None
-        return block_segments(list(cs.caches), block_ids, scales=cs.scales and list(cs.scales))
+        scales = None if cs.scales is None else list(cs.scales)
+        return block_segments(list(cs.caches), block_ids, scales=scales)
 
     def _gather(self, cs: CacheSet, block_ids: Sequence[int], buf: torch.Tensor) -> None:
         self._stager(cs.device).dump(cs.caches, block_ids, buf, scales=cs.scales).wait()
@@ -159,7 +160,7 @@ class Mover:
 
     def _stop(self, steps: Sequence[_Step], grace_s: float) -> bool:
         """Cancel ``steps`` and wait up to ``grace_s`` until the store has let go of their
-        buffers; whether it has.  Staging buffers go back to the pool once it has."""
+        buffers (the caches, in place); whether it has."""
         end = time.monotonic() + grace_s
         quiet = True
         for s in steps:

@@ -236,20 +236,31 @@ def as_payload(buffer: object, *, writable: bool, what: str) -> Payload:
         if not buffer:
             raise ValueError(f"{what} is an empty list: give at least one buffer")
         return Payload(
-            [byte_view(b, writable=writable, what=f"{what}[{j}]") for j, b in enumerate(buffer)]
+            [
+                b
+                if _flat_bytes(b, writable)  # most parts: no checks to spell out, no f-string
+                else byte_view(b, writable=writable, what=f"{what}[{j}]")
+                for j, b in enumerate(buffer)
+            ]
         )
     return Payload((byte_view(buffer, writable=writable, what=what),))
 
 
+def _flat_bytes(buffer: object, writable: bool) -> bool:
+    """Whether ``buffer`` is already a usable flat byte view (a slice of one, too)."""
+    return (
+        type(buffer) is memoryview
+        and buffer.ndim == 1
+        and buffer.format == "B"
+        and buffer.strides == (1,)
+        and not (writable and buffer.readonly)
+    )
+
+
 def byte_view(buffer: object, *, writable: bool, what: str) -> memoryview:
     """A flat byte view of a buffer-protocol object; refuses what cannot be used as one."""
-    if type(buffer) is memoryview and buffer.ndim == 1 and buffer.format == "B":
-        # already flat bytes (a slice of one, too): the common case of payload parts
-        if buffer.strides != (1,):
-            raise ValueError(f"{what} must be C-contiguous")
-        if writable and buffer.readonly:
-            raise ValueError(f"{what} is read-only; a load needs a writable buffer")
-        return buffer
+    if _flat_bytes(buffer, writable):
+        return buffer  # type: ignore[return-value]
     try:
         view = memoryview(buffer)  # type: ignore[arg-type]
     except TypeError:

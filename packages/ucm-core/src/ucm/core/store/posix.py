@@ -407,12 +407,10 @@ class PosixStore(Store):
             self._usage_bytes = remaining
             self._usage_blocks = count
 
-    def _release(self, name: str, size: int, published: bool) -> None:
+    def _release(self, size: int, published: bool) -> None:
         with self._lock:
             self._inflight_bytes -= size
             if published:
-                if not self._scanned.is_set():
-                    self._published_before_scan.add(name)
                 self._usage_bytes += size
                 self._usage_blocks += 1
 
@@ -478,6 +476,12 @@ class PosixStore(Store):
                 # what the file holds is not known to be the payload.
                 os.unlink(tmp)
                 return CANCELLED
+            with self._lock:
+                # Before the rename: an initial scan that sees the file must know that
+                # this writer counts it (after the rename would leave a window to count
+                # it twice).
+                if not self._scanned.is_set():
+                    self._published_before_scan.add(key_hex)
             os.rename(tmp, final)
             published = True
             if self.config.fsync == "full":
@@ -494,7 +498,7 @@ class PosixStore(Store):
                     pass
             return KeyResult(Status.ERROR, f"cannot write block {key_hex}: {exc.strerror or exc}")
         finally:
-            self._release(key_hex, size, published)
+            self._release(size, published)
 
     # -- load --
 
@@ -698,14 +702,18 @@ def _pread_into(fd: int, out: memoryview, offset: int) -> int:
     return done
 
 
-_HASH_CHUNK = 256 << 10  # fits the L2 cache: read, then hash while it is there
+# Bytes per read system call.  Pieces small enough to stay in the L2 cache while they are
+# hashed (256 KiB) measured slower on the development machine (2 vCPU) than few, large ones:
+# 9.1 against 11.5-12 GB/s reading 4 MiB blocks of 32 parts from the page cache, the
+# per-call Python and GIL costs outweighing the second pass over memory.
+_READ_PIECE = 8 << 20
 
 
 def _read_hashing(fd: int, parts: Sequence[memoryview], offset: int) -> int:
     """Fill ``parts`` in order from ``offset`` and return the xxh3-64 of what was read.
 
-    Reads go in pieces of about ``_HASH_CHUNK`` bytes (small parts together, large ones
-    cut), each hashed while it is still in the CPU cache."""
+    Reads go in pieces of at most ``_READ_PIECE`` bytes (small parts together, large ones
+    cut), each hashed after it is read."""
     hasher = xxhash.xxh3_64()
     group: list[memoryview] = []
     size = 0
@@ -721,9 +729,9 @@ def _read_hashing(fd: int, parts: Sequence[memoryview], offset: int) -> int:
         size = 0
 
     for part in parts:
-        for start in range(0, part.nbytes, _HASH_CHUNK):
-            piece = part[start : start + _HASH_CHUNK]
-            if size + piece.nbytes > _HASH_CHUNK or len(group) == _IOV_MAX:
+        for start in range(0, part.nbytes, _READ_PIECE):
+            piece = part[start : start + _READ_PIECE]
+            if size + piece.nbytes > _READ_PIECE or len(group) == _IOV_MAX:
                 flush()
             group.append(piece)
             size += piece.nbytes
