@@ -111,13 +111,16 @@ def _default(field: attrs.Attribute[Any], anchors: dict[type, tuple[str, str]]) 
 
 
 def _allowed(field: attrs.Attribute[Any], anchors: dict[type, tuple[str, str]]) -> str:
-    check = field.validator
-    if check is None:
-        return ""
+    return "" if field.validator is None else _describe(field.validator, field.name, anchors)
+
+
+def _describe(check: Any, name: str, anchors: dict[type, tuple[str, str]]) -> str:
     if isinstance(getattr(check, "allowed", None), str):  # a validator that describes itself
         return str(check.allowed)  # type: ignore[union-attr]
     outer = getattr(check, "__qualname__", "").split(".")[0]
     bound = inspect.getclosurevars(check).nonlocals if inspect.isfunction(check) else {}
+    if outer == "optional":
+        return _describe(bound["check"], name, anchors) + ", or `null`"
     if outer == "one_of":
         choices = [_literal(c) for c in bound["choices"]]
         return choices[0] if len(choices) == 1 else "one of " + ", ".join(choices)
@@ -130,14 +133,13 @@ def _allowed(field: attrs.Attribute[Any], anchors: dict[type, tuple[str, str]]) 
             return "the settings of " + " or ".join(_link(c, anchors) for c in classes)
     fixed = {
         "positive_number": "> 0",
-        "optional_positive_number": "> 0, or `null`",
         "fraction": "between 0 and 1 (exclusive)",
         "boolean": "`true` or `false`",
         "non_empty_str": "non-empty",
     }
     if outer in fixed:
         return fixed[outer]
-    log.warning("config reference: cannot describe the validator %r of %s", check, field.name)
+    log.warning("config reference: cannot describe the validator %r of %s", check, name)
     return ""
 
 

@@ -36,6 +36,14 @@ def test_each_kind_builds_its_store(tmp_path):
         store.close()
 
 
+def test_io_threads_follow_the_cores_unless_set(monkeypatch, tmp_path):
+    for cores, threads in ((1, 2), (2, 2), (6, 6), (64, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert PosixStoreConfig(path=str(tmp_path)).io_thread_count == threads
+    assert PosixStoreConfig(path=str(tmp_path), io_threads=5).io_thread_count == 5
+    assert parse_store_config({"path": str(tmp_path), "io_threads": None}).io_threads is None
+
+
 def test_kind_defaults_to_posix(tmp_path):
     config = parse_store_config({"path": str(tmp_path)})
     assert isinstance(config, PosixStoreConfig) and config.path == str(tmp_path)

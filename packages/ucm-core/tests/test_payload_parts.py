@@ -8,7 +8,7 @@ import pytest
 import xxhash
 from ucm.core.block_format import HEADER_BYTES, decode_header
 from ucm.core.config import DramStoreConfig, PosixStoreConfig
-from ucm.core.store import DramStore, PosixStore, Status, TieredStore
+from ucm.core.store import DramStore, Payload, PosixStore, Status, TieredStore
 from ucm.core.store.posix import scan_store, verify_block_file
 
 
@@ -113,6 +113,44 @@ def test_parts_of_the_wrong_total_size_are_an_error(store):
     (result,) = store.wait(store.load([key(1)], [[bytearray(4000), bytearray(999)]]))
     assert result.status is Status.ERROR
     assert store.lookup([key(1)]) == [True]
+
+
+class Views:
+    """A deferred payloads' source: per block, its parts as views; counts what is made."""
+
+    def __init__(self, blocks: list[list[bytearray]]) -> None:
+        self.blocks = blocks
+        self.made = 0
+
+    def __getitem__(self, i: int) -> list[memoryview]:
+        self.made += 1
+        return [memoryview(p) for p in self.blocks[i]]
+
+
+def test_deferred_payloads_are_made_when_moved(store):
+    data = [blob(i, 333_333) for i in range(3)]
+    keys = [key(i) for i in range(3)]
+    src = Views([cut(d, SIZES) for d in data])
+    dumps = [Payload.deferred(len(data[i]), src, i) for i in range(3)]
+    assert src.made == 0  # nothing made before the store moves the block
+    assert all(r.ok for r in store.wait(store.dump(keys, dumps)))
+    made = src.made
+    assert made >= 3  # a tiered store moves each block twice
+    dst = Views([cut(bytes(len(d)), SIZES) for d in data])
+    loads = [Payload.deferred(len(data[i]), dst, i) for i in (2, 0, 1)]
+    assert all(r.ok for r in store.wait(store.load([keys[2], keys[0], keys[1]], loads)))
+    assert [b"".join(p) for p in dst.blocks] == data
+    assert dst.made >= 3
+
+
+def test_a_deferred_payload_of_the_wrong_size_fails_its_key_only(store):
+    src = Views([[bytearray(b"x" * 10)], [bytearray(b"y" * 20)]])
+    results = store.wait(
+        store.dump([key(1), key(2)], [Payload.deferred(12, src, 0), Payload.deferred(20, src, 1)])
+    )
+    assert [r.status for r in results] == [Status.ERROR, Status.OK]
+    assert "promised 12" in results[0].detail
+    assert store.lookup([key(1), key(2)]) == [False, True]
 
 
 def test_corrupt_block_read_into_parts_is_a_miss(tmp_path):

@@ -208,6 +208,44 @@ def test_in_place_needs_no_staging_and_other_layouts_are_staged(store_path, monk
         _assert_blocks_equal(k2, k, [8, 10, 12], [1, 2, 3])
 
 
+def test_in_place_moves_keep_few_views_alive(store_path, monkeypatch):
+    # Views made up front for every block of a long read or write would all stay alive
+    # until it ends: thousands of objects for the garbage collector, whose full passes
+    # then stall every I/O thread.  Each block's views live only while it is moved.
+    import gc
+
+    n = 120
+    k, v = random_caches(12, blocks=n)
+    prompt = tokens(n * BLOCK, seed=12)
+    live: list[int] = []
+    real = os.preadv, os.pwritev
+
+    def views() -> int:
+        return sum(type(o) is memoryview for o in gc.get_objects())
+
+    def counted(call):
+        def run(fd, buffers, offset):
+            if len(live) < 3 and fd > 0:  # a few samples while blocks are being moved
+                live.append(views() - before)
+            return call(fd, buffers, offset)
+
+        return run
+
+    monkeypatch.setattr(os, "preadv", counted(real[0]))
+    monkeypatch.setattr(os, "pwritev", counted(real[1]))
+    with make_store(store_path, ucm_config={"store": {"path": store_path, "io_threads": 2}}) as fd:
+        before = views()
+        assert fd.write("w", k, v, prompt, list(range(n)), 0) == n
+        written, live[:] = list(live), []
+        k2, v2 = zeros_like(k), zeros_like(v)
+        before = views()
+        assert fd.read("r", k2, v2, prompt, list(range(n)), 0) == n
+    parts = 2 * LAYERS  # views per block
+    assert written and live
+    assert max(written + live) < 8 * parts, (written, live)  # n * parts if made up front
+    _assert_blocks_equal(k2, k, list(range(n)), list(range(n)))
+
+
 def test_flush_token_index_keeps_residency(store_path):
     k, v = random_caches(11)
     prompt = tokens(4 * BLOCK + 2, seed=11)

@@ -36,6 +36,17 @@ def test_fastdeploy_layout_is_its_own_payload():
     assert not caches[2][0].view(torch.int16).any() and caches[2][1].view(torch.int16).any()
 
 
+def test_segments_index_and_slice_like_a_list():
+    caches = _fd_caches(torch.Generator().manual_seed(6))
+    segments = block_segments(caches, [5, 0, 3, 1])
+    assert segments is not None and len(segments) == 4
+    expected = _gathered(caches, [5, 0, 3, 1])
+    assert [_join(p) for p in segments[1:3]] == expected[1:3]
+    assert _join(segments[-1]) == expected[3] and segments[4:] == []
+    with pytest.raises(IndexError):
+        segments[4]
+
+
 def test_fp8_scales_follow_the_data():
     gen = torch.Generator().manual_seed(2)
     caches = _fd_caches(gen, dtype=torch.uint8)
@@ -43,6 +54,7 @@ def test_fp8_scales_follow_the_data():
     segments = block_segments(caches, [4, 1], scales=scales)
     assert segments is not None and len(segments[0]) == 12
     assert [_join(p) for p in segments] == _gathered(caches, [4, 1], scales=scales)
+    assert segments.nbytes == len(_join(segments[0])) == payload_nbytes(caches, 1, scales=scales)
 
 
 def test_single_head_caches_span_engine_blocks_and_token_ranges():
@@ -53,6 +65,7 @@ def test_single_head_caches_span_engine_blocks_and_token_ranges():
         segments = block_segments(caches, ids, token_range=token_range)
         assert segments is not None
         assert [_join(p) for p in segments] == _gathered(caches, ids, token_range=token_range)
+        assert segments.nbytes == len(_join(segments[1]))
 
 
 def _heads(g, shape=(6, 2, 4, 8)):

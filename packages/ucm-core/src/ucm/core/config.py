@@ -39,14 +39,24 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def optional(
+    check: Callable[[object, attrs.Attribute[Any], object], None],
+) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """``check``, letting ``None`` (null) through."""
+
+    def check_optional(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None:
+            check(inst, attribute, value)
+
+    return check_optional
+
+
 def positive_number(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
         raise ConfigError(attribute.name, f"must be a positive number, got {value!r}")
 
 
-def optional_positive_number(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None:
-        positive_number(inst, attribute, value)
+optional_positive_number = optional(positive_number)
 
 
 def int_in_range(low: int, high: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
@@ -198,10 +208,14 @@ class PosixStoreConfig:
         default="never",
         validator=one_of("never", "data", "full"),
     )
-    io_threads: int = setting(
-        "Threads doing file I/O (the GIL is released in reads and writes).",
-        default=4,
-        validator=int_in_range(1, 256),
+    io_threads: int | None = setting(
+        "Threads doing file I/O (the GIL is released in reads and writes). null: one per "
+        "CPU core this process may run on, at least 2 and at most 8: a block served from "
+        "the page cache is a copy that keeps a core busy, so more threads than cores only "
+        "contend for them (measured 10-20% slower reads and writes with 4 threads on 2 "
+        "cores); a slow disk or shared mount may want more in flight.",
+        default=None,
+        validator=optional(int_in_range(1, 256)),
     )
     o_direct: bool = setting(
         "Bypass the page cache with O_DIRECT (through aligned bounce buffers).",
@@ -222,6 +236,13 @@ class PosixStoreConfig:
     @property
     def capacity_bytes(self) -> int | None:
         return gib_to_bytes(self.capacity_gb)
+
+    @property
+    def io_thread_count(self) -> int:
+        """``io_threads``, or the number it stands for when null."""
+        if self.io_threads is not None:
+            return self.io_threads
+        return min(8, max(2, len(os.sched_getaffinity(0))))
 
 
 @attrs.frozen

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-from ucm.core.store import KeyResult, Status, Store, Task
+from ucm.core.store import KeyResult, Payload, Status, Store, Task
 from ucm.fastdeploy.tensors import CacheSet
-from ucm.kernels import HostStager, alloc_host_buffers, block_segments
+from ucm.kernels import BlockSegments, HostStager, alloc_host_buffers, block_segments
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class Mover:
         self.zero_copy = zero_copy
         self._stagers = threading.local()  # a side stream per thread on a GPU
 
-    def _in_place(self, cs: CacheSet, block_ids: Sequence[int]) -> list[list[memoryview]] | None:
+    def _in_place(self, cs: CacheSet, block_ids: Sequence[int]) -> BlockSegments | None:
         """Each block's payload as views of the caches, or None: stage it."""
         if not self.zero_copy:
             return None
@@ -192,8 +192,11 @@ class Mover:
             segments = self._in_place(cs, block_ids)
             if segments is not None:  # nothing to copy, no staging memory to bound
                 for off in range(0, n, step):
-                    task = self.store.dump(keys[off : off + step], segments[off : off + step], tag)
-                    steps.append(_Step(off, min(step, n - off), task, None))
+                    count = min(step, n - off)
+                    task = self.store.dump(
+                        keys[off : off + count], _deferred(segments, off, count), tag
+                    )
+                    steps.append(_Step(off, count, task, None))
             else:
                 self._write_staged(cs, block_ids, keys, deadline, tag, steps, ahead)
                 if ahead is not None:
@@ -384,7 +387,7 @@ class Mover:
         self,
         cs: CacheSet,
         keys: Sequence[bytes],
-        segments: list[list[memoryview]] | None,
+        segments: BlockSegments | None,
         offset: int,
         count: int,
         pin: bool,
@@ -394,7 +397,7 @@ class Mover:
         ks = keys[offset : offset + count]
         if segments is not None:
             return _Step(
-                offset, count, self.store.load(ks, segments[offset : offset + count], tag), None
+                offset, count, self.store.load(ks, _deferred(segments, offset, count), tag), None
             )
         buf = self.pool.acquire(count, cs.nbytes, pin)
         try:
@@ -430,6 +433,13 @@ def _wait(task: Task, deadline: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def _deferred(segments: BlockSegments, offset: int, count: int) -> list[Payload]:
+    """Blocks ``[offset, offset + count)`` in place, their views made by the store's threads
+    as each block is moved (a step of thousands of live views sets off full garbage
+    collections; see ``Payload.deferred``)."""
+    return [Payload.deferred(segments.nbytes, segments, i) for i in range(offset, offset + count)]
 
 
 def _rows(buf: torch.Tensor) -> list[object]:

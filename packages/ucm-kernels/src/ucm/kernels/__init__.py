@@ -21,13 +21,14 @@ from ucm.kernels.api import (
 )
 from ucm.kernels.layouts import logical_view
 from ucm.kernels.reference import gather_reference, scatter_reference
-from ucm.kernels.segments import block_segments
+from ucm.kernels.segments import BlockSegments, block_segments
 from ucm.kernels.spec import SUPPORTED_DTYPES, CacheSpec, PayloadLayout, make_layout
 from ucm.kernels.staging import HostStager, TransferHandle, alloc_host_buffers
 from ucm.kernels.validate import TransferPlan, build_plan, describe_caches
 
 __all__ = [
     "BACKENDS",
+    "BlockSegments",
     "SUPPORTED_DTYPES",
     "CacheSpec",
     "HostStager",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -85,7 +86,7 @@ def run_fallback(
         copy_scales(plan)
 
 
-def copy_segments(plan: TransferPlan, segments: list[Segments]) -> None:
+def copy_segments(plan: TransferPlan, segments: Sequence[Segments]) -> None:
     """Run ``plan`` as copies between each payload and the cache runs it is made of."""
     gather = plan.direction == GATHER
     for raw, parts in zip(plan.raw, segments):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 
@@ -35,7 +36,7 @@ def block_segments(
     token_range: tuple[int, int] | None = None,
     null_block_id: int | None = None,
     scales: Sequence[torch.Tensor] | None = None,
-) -> list[Segments] | None:
+) -> BlockSegments | None:
     """Per store block, the byte views of the caches that make up its payload, in payload
     order; ``None`` when the layout does not allow it (then use gather/scatter).
 
@@ -48,7 +49,7 @@ def block_segments(
     return segments_of(views, scale_views, layout, ids, null_block_id)
 
 
-def plan_segments(plan: TransferPlan) -> list[Segments] | None:
+def plan_segments(plan: TransferPlan) -> BlockSegments | None:
     """:func:`block_segments` for a checked plan."""
     return segments_of(plan.caches, plan.scales, plan.layout, plan.block_ids, plan.null_block_id)
 
@@ -59,7 +60,7 @@ def segments_of(
     layout: PayloadLayout,
     block_ids: torch.Tensor,
     null_block_id: int | None,
-) -> list[Segments] | None:
+) -> BlockSegments | None:
     """The segments of ``[B, H, N, P, D]`` cache views; see :func:`block_segments`."""
     if caches[0].device.type != "cpu":
         return None
@@ -92,22 +93,66 @@ def segments_of(
         size = scale.element_size()
         entry = math.prod(scale.shape[1:]) * size
         runs.append((_flat_bytes(scale), scale.stride(0) * size, [(0, entry)]))
-    rows = involved.tolist()
-    segments = []
     data, scale_runs = runs[: len(caches)], runs[len(caches) :]
-    for row in rows:
-        parts = [
-            flat[b * step + off : b * step + off + length]
-            for flat, step, places in data
-            for b, (off, length) in zip(row, places)
-        ]
-        parts += [
-            flat[b * step : b * step + places[0][1]]
-            for flat, step, places in scale_runs
-            for b in row
-        ]
-        segments.append(parts)
-    return segments
+    return BlockSegments(data, scale_runs, involved.tolist())
+
+
+class BlockSegments(Sequence[Segments]):
+    """Per store block, the views its payload is made of, made when a block is asked for.
+
+    Views cost a few microseconds a block (one per cache tensor); making them block by block,
+    as a caller hands steps to a store, lets the first step start without waiting for the
+    views of the last.  Indexing gives one block's list, slicing a list of them."""
+
+    def __init__(
+        self,
+        data: list[tuple[memoryview, int, list[tuple[int, int]]]],
+        scales: list[tuple[memoryview, int, list[tuple[int, int]]]],
+        rows: list[list[int]],
+    ) -> None:
+        self._data = data
+        self._scales = [(flat, step, places[0][1]) for flat, step, places in scales]
+        self._rows = rows
+        per_row = len(rows[0]) if rows else 0
+        #: bytes of each block's payload (the sum of its views)
+        self.nbytes = sum(n for _, _, places in data for _, n in places) + sum(
+            n * per_row for _, _, n in self._scales
+        )
+        # one engine block per store block (FastDeploy's layout): a shorter way to the views
+        self._single = (
+            [(flat, step, places[0][0], places[0][1]) for flat, step, places in data]
+            if all(len(places) == 1 for _, _, places in data)
+            else None
+        )
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, index: int) -> Segments: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Segments]: ...
+
+    def __getitem__(self, index: int | slice) -> Segments | list[Segments]:
+        if isinstance(index, slice):
+            return [self._block(row) for row in self._rows[index]]
+        return self._block(self._rows[index])
+
+    def _block(self, row: list[int]) -> Segments:
+        if self._single is not None:
+            b = row[0]
+            parts = [
+                flat[s : s + n] for flat, step, off, n in self._single for s in (b * step + off,)
+            ]
+        else:
+            parts = [
+                flat[b * step + off : b * step + off + n]
+                for flat, step, places in self._data
+                for b, (off, n) in zip(row, places)
+            ]
+        parts += [flat[b * step : b * step + n] for flat, step, n in self._scales for b in row]
+        return parts
 
 
 def _flat_bytes(tensor: torch.Tensor) -> memoryview:

@@ -12,7 +12,7 @@ from ucm.core.config import (
     TieredStoreConfig,
     parse_store_config,
 )
-from ucm.core.store.base import KeyResult, Status, Store, StoreUsage, Task
+from ucm.core.store.base import KeyResult, Payload, Status, Store, StoreUsage, Task
 from ucm.core.store.dram import DramStore
 from ucm.core.store.posix import PosixStore
 from ucm.core.store.tiered import TieredStore
@@ -35,6 +35,7 @@ def create_store(config: StoreConfig | Mapping[str, Any] | None = None) -> Store
 __all__ = [
     "DramStore",
     "KeyResult",
+    "Payload",
     "PosixStore",
     "Status",
     "Store",

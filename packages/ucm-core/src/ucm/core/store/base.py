@@ -205,27 +205,75 @@ def _left(deadline: float | None) -> float | None:
 
 
 class Payload:
-    """One key's buffer as byte views: the payload is the concatenation of ``parts``."""
+    """One key's buffer as byte views: the payload is the concatenation of ``parts``.
 
-    __slots__ = ("nbytes", "parts")
+    :meth:`deferred` makes one whose views are made only when a store moves it."""
+
+    __slots__ = ("_parts", "nbytes")
 
     def __init__(self, parts: Sequence[memoryview]) -> None:
-        self.parts = tuple(parts)
-        self.nbytes = sum(p.nbytes for p in self.parts)
+        self._parts = tuple(parts)
+        self.nbytes = sum([p.nbytes for p in self._parts])
+
+    @property
+    def parts(self) -> tuple[memoryview, ...]:
+        """The views, in payload order (a store takes them once per key it moves)."""
+        return self._parts
+
+    @staticmethod
+    def deferred(nbytes: int, source: Sequence[Sequence[memoryview]], index: int) -> Payload:
+        """A payload of ``nbytes`` whose views are ``source[index]``, made each time a store
+        takes :attr:`parts` and dropped when it is done with them.
+
+        For payloads of many views (one per cache tensor): a batch of thousands of blocks
+        made up front keeps every view alive until the batch ends, and each is an object the
+        garbage collector tracks; tens of thousands of those set off its full collections
+        (150 ms each with paddle loaded, holding the GIL that the I/O threads need).  The
+        views are checked when made: a wrong size or a view that is not flat bytes fails
+        that key only."""
+        return _DeferredPayload(nbytes, source, index)
 
     def copy_to(self, dst: memoryview) -> None:
         """Write the payload to the start of ``dst``."""
-        at = 0
-        for part in self.parts:
-            dst[at : at + part.nbytes] = part
-            at += part.nbytes
+        copy_parts(self.parts, dst)
 
     def fill_from(self, src: memoryview) -> None:
         """Fill the parts from the start of ``src``."""
-        at = 0
-        for part in self.parts:
-            part[:] = src[at : at + part.nbytes]
-            at += part.nbytes
+        fill_parts(self.parts, src)
+
+
+class _DeferredPayload(Payload):
+    __slots__ = ("_index", "_source")
+
+    def __init__(self, nbytes: int, source: Sequence[Sequence[memoryview]], index: int) -> None:
+        self.nbytes = nbytes
+        self._source = source
+        self._index = index
+
+    @property
+    def parts(self) -> tuple[memoryview, ...]:
+        made = as_payload(list(self._source[self._index]), writable=False, what="deferred payload")
+        if made.nbytes != self.nbytes:
+            raise ValueError(
+                f"deferred payload {self._index} is {made.nbytes} bytes, promised {self.nbytes}"
+            )
+        return made.parts
+
+
+def copy_parts(parts: Sequence[memoryview], dst: memoryview) -> None:
+    """Write the concatenation of ``parts`` to the start of ``dst``."""
+    at = 0
+    for part in parts:
+        dst[at : at + part.nbytes] = part
+        at += part.nbytes
+
+
+def fill_parts(parts: Sequence[memoryview], src: memoryview) -> None:
+    """Fill ``parts`` in order from the start of ``src``."""
+    at = 0
+    for part in parts:
+        part[:] = src[at : at + part.nbytes]
+        at += part.nbytes
 
 
 def as_payload(buffer: object, *, writable: bool, what: str) -> Payload:

@@ -28,6 +28,8 @@ from ucm.core.store.base import (
     Task,
     check_batch,
     check_keys,
+    copy_parts,
+    fill_parts,
 )
 
 SLAB_BYTES = 64 << 20
@@ -114,6 +116,9 @@ class DramStore(Store):
                 Status.ERROR,
                 f"a block of {size} bytes is larger than the capacity ({self._capacity} bytes)",
             )
+        parts = _parts(payload)
+        if isinstance(parts, KeyResult):
+            return parts
         with self._lock:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
@@ -129,7 +134,7 @@ class DramStore(Store):
                 buf = self._arena.alloc(size)
             if buf is None:  # pragma: no cover - the arena maps at least one block's worth
                 return KeyResult(Status.ERROR, "out of memory for the dram store")
-            payload.copy_to(buf)
+            copy_parts(parts, buf)
             self._blocks[key] = (layout, buf)
             self._bytes += size
             return OK
@@ -150,8 +155,11 @@ class DramStore(Store):
                     f"stored block is {buf.nbytes} bytes of layout {stored_layout!r}, "
                     f"asked for {out.nbytes} bytes of layout {layout!r}",
                 )
+            parts = _parts(out)
+            if isinstance(parts, KeyResult):
+                return parts
             self._blocks.move_to_end(key)
-            out.fill_from(buf)
+            fill_parts(parts, buf)
             return OK
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
@@ -180,3 +188,11 @@ class DramStore(Store):
             self._blocks.clear()
             self._bytes = 0
             self._arena.reset()
+
+
+def _parts(payload: Payload) -> tuple[memoryview, ...] | KeyResult:
+    """The payload's views, or the error of a deferred payload that cannot make them."""
+    try:
+        return payload.parts
+    except (TypeError, ValueError) as exc:
+        return KeyResult(Status.ERROR, str(exc))
