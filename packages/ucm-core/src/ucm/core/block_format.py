@@ -118,7 +118,8 @@ def decode_header(
         raise BlockFormatError("header checksum mismatch")
     if (
         page.nbytes >= HEADER_BYTES
-        and page[end + _CHECKSUM.size : HEADER_BYTES]
+        # as bytes: comparing a memoryview goes item by item, 20 times slower
+        and page[end + _CHECKSUM.size : HEADER_BYTES].tobytes()
         != _PADDING[: HEADER_BYTES - end - _CHECKSUM.size]
     ):
         raise BlockFormatError("header padding is not zero")

@@ -191,6 +191,7 @@ class Mover:
         try:
             segments = self._in_place(cs, block_ids)
             if segments is not None:  # nothing to copy, no staging memory to bound
+                step = _in_place_step(step, n)
                 for off in range(0, n, step):
                     count = min(step, n - off)
                     task = self.store.dump(
@@ -345,7 +346,9 @@ class Mover:
         problem = ""
         try:
             segments = self._in_place(cs, block_ids)
-            depth = n if segments is not None else self.depth  # in place: no staging memory
+            depth = self.depth
+            if segments is not None:  # in place: no staging memory to bound
+                depth, step = n, _in_place_step(step, n)
             while True:
                 while submitted < n and len(pending) < depth:
                     count = min(step, n - submitted)
@@ -433,6 +436,16 @@ def _wait(task: Task, deadline: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+#: In place, a read or write goes in this many steps at most.  A step costs a store task and
+#: a wake-up of the caller (1 GiB read in place in steps of 8 blocks: 9.2-10 GB/s, against
+#: 10.5-11.5 in 8 steps, here), and buys only an earlier stop after a failed block.
+_IN_PLACE_STEPS = 8
+
+
+def _in_place_step(step: int, n: int) -> int:
+    return max(step, -(-n // _IN_PLACE_STEPS))
 
 
 def _deferred(segments: BlockSegments, offset: int, count: int) -> list[Payload]:
