@@ -43,21 +43,36 @@ def _best(repeat: int, run: Callable[[], float]) -> float:
 def raw_file(directory: str, srcs: list, dsts: list, n: int, direct: bool) -> tuple[float, float]:
     """Seconds to write ``n`` buffers to one file and read them back: the raw baseline."""
     path = os.path.join(directory, "raw.bin")
+    try:
+        return raw_write(path, srcs, n, direct), raw_read(path, dsts, n, direct)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def raw_write(path: str, srcs: list, n: int, direct: bool) -> float:
+    """Seconds to write ``n`` buffers (cycling through ``srcs``) to one file at ``path``."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0)
     t0 = time.perf_counter()
     fd = os.open(path, flags, 0o600)
-    for i in range(n):
-        os.write(fd, srcs[i % len(srcs)])
-    os.close(fd)
-    t_write = time.perf_counter() - t0
+    try:
+        for i in range(n):
+            os.write(fd, srcs[i % len(srcs)])
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def raw_read(path: str, dsts: list, n: int, direct: bool) -> float:
+    """Seconds to read ``n`` buffers' worth of ``path`` back (cycling through ``dsts``)."""
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
-    for i in range(n):
-        os.readv(fd, [dsts[i % len(dsts)]])
-    os.close(fd)
-    t_read = time.perf_counter() - t0
-    os.unlink(path)
-    return t_write, t_read
+    try:
+        for i in range(n):
+            os.readv(fd, [dsts[i % len(dsts)]])
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
 
 
 def through_store(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:

@@ -706,13 +706,14 @@ def _pread_into(fd: int, out: memoryview, offset: int) -> int:
     return done
 
 
-# Bytes per read system call at most, each piece hashed right after it is read.  Measured
-# on the development machine (2 vCPU, two I/O threads, 4 MiB blocks from the page cache):
-# pieces of 512 KiB-1 MiB read blocks of 32 scattered 128 KiB parts at 10-11 GB/s against
-# 9.4-9.7 for 4 MiB pieces, whose hashing pass no longer finds the data in the CPU cache;
-# contiguous blocks read at about 12 GB/s either way.  Smaller pieces cost more in
-# per-call Python and GIL handoffs than they save.
-_READ_PIECE = 1 << 20
+# Bytes per read system call at most, each piece hashed right after it is read (from the
+# L3 cache, still).  Measured on the development machine (2 vCPU, two I/O threads, 1 GiB of
+# 4 MiB blocks from the page cache, each case in turns with the raw read, 30 rounds):
+# blocks of 32 scattered 128 KiB parts read at 0.80-0.81 of a raw read (medians) in pieces
+# of 1 MiB, 0.87-0.93 in 2 MiB and 0.90-0.92 in 4 MiB; contiguous blocks at about 1.1
+# either way.  Smaller pieces cost more in system calls and per-call Python than a hash
+# from the L2 cache saves.
+_READ_PIECE = 2 << 20
 
 
 def _read_hashing(fd: int, parts: Sequence[memoryview], offset: int) -> int:
