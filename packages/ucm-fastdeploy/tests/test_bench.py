@@ -17,6 +17,10 @@ def test_quick_bench_prints_json_last(store_path, capsys):
                 "sliced_write_gbps"):  # fmt: skip
         assert summary[key] > 0
     assert summary["blocks"] == 16 and summary["target_ratio"] == 0.85
+    # one timed round (--quick): every case has one time, and a round's ratio is its median
+    assert all(len(t) == 1 for t in summary["seconds"].values())
+    raw, write = summary["seconds"]["raw_write"][0], summary["seconds"]["write"][0]
+    assert abs(summary["write_ratio_median"] - raw / write) < 1e-9
     assert any(line.startswith("write / raw:") for line in out)
     # every round removes what it wrote: the page cache and the disk are left as found
     assert scan_store(f"{store_path}/posix").blocks == []
