@@ -31,9 +31,13 @@ SLOW = settings(
     deadline=None, database=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow]
 )
 
+#: where the Triton kernel runs: the GPU when there is one (the cases are built on the CPU and
+#: copied there byte for byte, strides and shared allocations kept), else the interpreter
+TRITON_DEVICE = "cuda" if triton_available("cuda") else "cpu"
+
 needs_triton = pytest.mark.skipif(
-    not triton_available("cpu"),
-    reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1 with triton installed",
+    not triton_available(TRITON_DEVICE),
+    reason="the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU, with triton",
 )
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
@@ -180,6 +184,9 @@ def _run(direction: str, caches, block_ids, buffers, backend: str, **kwargs) -> 
     torch-2 on 1 or 2 threads (the threaded split otherwise starts at 8 MiB), torch-index
     scattering with index_copy_ as it does on a GPU, all without the contiguous-run copies;
     torch-runs with them where the layout allows (the general way elsewhere)."""
+    if backend == "triton" and TRITON_DEVICE != "cpu":
+        _run_on_device(direction, caches, block_ids, buffers, **kwargs)
+        return
     plan = build_plan(direction, caches, block_ids, buffers, **kwargs)
     if backend == "torch-index":
         run_fallback(plan, workers=1, per_block=False, runs=False)
@@ -189,6 +196,31 @@ def _run(direction: str, caches, block_ids, buffers, backend: str, **kwargs) -> 
         run_fallback(plan, workers=int(backend.removeprefix("torch-")), runs=False)
     else:
         assert execute(plan, backend) == backend
+
+
+def _run_on_device(direction: str, caches, block_ids, buffers, **kwargs) -> None:
+    """Run the Triton kernel on copies of the CPU tensors' whole allocations on the GPU
+    (same strides and offsets, shared allocations still shared), then copy every byte of
+    those allocations back, padding included: a stray write shows in the CPU checks."""
+    storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in storages:
+            host = torch.empty(0, dtype=torch.uint8).set_(storage)
+            storages[key] = (host, host.to(TRITON_DEVICE))
+        base = storages[key][1].view(t.dtype)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    scales = kwargs.get("scales")
+    on_device = dict(kwargs, scales=None if scales is None else [moved(s) for s in scales])
+    bufs = moved(buffers) if isinstance(buffers, torch.Tensor) else [moved(b) for b in buffers]
+    plan = build_plan(direction, [moved(c) for c in caches], block_ids, bufs, **on_device)
+    assert execute(plan, "triton") == "triton"
+    torch.cuda.synchronize()
+    for host, device in storages.values():
+        host.copy_(device)
 
 
 def _check_gather(case: Case, backend: str) -> None:
@@ -280,9 +312,11 @@ def _roundtrip(case: Case, backend: str) -> None:
     for i, (tgt, src, old) in enumerate(
         zip(target_scales or [], scales or [], before_scales or [])
     ):
-        expect = old.clone()
+        # integer views: a float copy through a mask may quiet a signalling NaN (seen once
+        # in 3,000 generated cases: 0x7fa5... came back as 0x7fe5...)
+        expect, src = bits(old), bits(src)
         expect[touched_blocks] = src[touched_blocks]
-        assert_bits_equal(tgt, expect, f"scale {i}")
+        assert_bits_equal(bits(tgt), expect, f"scale {i}")
 
 
 @pytest.mark.parametrize("backend", FALLBACK)

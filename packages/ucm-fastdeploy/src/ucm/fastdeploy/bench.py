@@ -43,24 +43,36 @@ TARGET_SLICE_RATIO = 0.95
 
 
 def _caches(args: argparse.Namespace, fill: bool) -> tuple[list[Any], list[Any]]:
-    import paddle
     import torch
 
     shape = [args.blocks, args.heads, args.block_tokens, args.head_dim]
-    k = [paddle.zeros(shape, dtype="bfloat16") for _ in range(args.layers)]
-    v = [paddle.zeros(shape, dtype="bfloat16") for _ in range(args.layers)]
+    if args.torch:
+        device = args.device
+
+        def zeros() -> Any:
+            return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    else:
+        import paddle
+
+        def zeros() -> Any:
+            return paddle.zeros(shape, dtype="bfloat16")
+
+    k = [zeros() for _ in range(args.layers)]
+    v = [zeros() for _ in range(args.layers)]
     if fill:  # distinct bits per layer, K/V and block: a misplaced block shows
         for i, t in enumerate(k + v):
             view = torch.from_dlpack(t).view(torch.int16)
-            view.copy_(torch.arange(view.numel(), dtype=torch.int32).view(view.shape) + i * 7919)
+            seq = torch.arange(view.numel(), dtype=torch.int32, device=view.device)
+            view.copy_(seq.view(view.shape) + i * 7919)
     return k, v
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with warnings.catch_warnings():  # paddle's import warns that ccache is missing
-        warnings.filterwarnings("ignore", message="No ccache found")
-        import paddle
-    paddle.set_device("cpu")
+    if not args.torch:
+        with warnings.catch_warnings():  # paddle's import warns that ccache is missing
+            warnings.filterwarnings("ignore", message="No ccache found")
+            import paddle
+        paddle.set_device("gpu" if args.device == "cuda" else "cpu")
     logging.getLogger("ucm").setLevel(logging.WARNING)  # paddle's import logs INFO to stderr
     own = args.path is None
     parent = os.path.dirname(default_store_path())  # the disk a store would use by default
@@ -192,6 +204,8 @@ def _measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
 
     summary: dict[str, Any] = {
         "path": root,
+        "device": args.device,
+        "tensors": "torch" if args.torch else "paddle",
         "blocks": n,
         "block_bytes": payload,
         "layers": args.layers,
@@ -225,7 +239,7 @@ def _print(s: dict[str, Any]) -> None:
     label = f"{size >> 10} KiB" if size < (1 << 20) else f"{size / (1 << 20):g} MiB"
     print(
         f"{s['blocks']} blocks of {label} ({s['layers']} layers, K and V), "
-        f"{s['total_gb']:.2f} GB, best of {s['repeat']}"
+        f"{s['total_gb']:.2f} GB, {s['tensors']} caches on {s['device']}, best of {s['repeat']}"
     )
     print(f"{'case':<28} {'write GB/s':>10} {'read GB/s':>10}")
     print(f"{'raw file (baseline)':<28} {s['raw_write_gbps']:>10.2f} {s['raw_read_gbps']:>10.2f}")
@@ -253,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per block (64)")
     p.add_argument("--repeat", type=int, default=5, help="runs; the best counts (5)")
     p.add_argument("--path", help="directory for the store (default: beside the default store)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the caches are")
+    p.add_argument(
+        "--torch",
+        action="store_true",
+        help="torch tensors for the caches instead of paddle's (paddle's reach the kernels as "
+        "torch views through DLPack: the same path, where paddle is not installed)",
+    )
     p.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     args = p.parse_args(argv)

@@ -3,7 +3,11 @@
 On CUDA, for realistic shapes (32 layers, 8 KV heads, head 128 so C = 256 with K|V, bf16,
 16- and 256-token engine blocks, 256-token store blocks, HND and NHD physical layouts):
 
-* gather and scatter GB/s (payload bytes per second);
+* gather and scatter GB/s (payload bytes per second) of the device's work, every case
+  timed the same way: calls queued while the GPU sleeps, then run back to back (the host
+  prepares a call in about as long as the kernel of a 512 MiB transfer runs, so calls
+  queued as they come would time the host); beside it, each call's host time and the
+  GB/s of calls queued as they come;
 * (a) a device-to-device ``copy_`` of one tensor of the same bytes: the kernel's ceiling.
   Target: >= 85 % of it when one layer's engine block is >= 256 KiB;
 * (b) a per-layer ``index_select`` / ``index_copy_`` loop producing the same payload.
@@ -67,11 +71,46 @@ def _time_cuda(fn: Callable[[], object], repeat: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) / 1e3 / repeat
 
 
+def _time_cuda_device(
+    fn: Callable[[], object], repeat: int, warmup: int = 3
+) -> tuple[float, float]:
+    """Device seconds per call, and host seconds to queue one.  The calls are queued while
+    the GPU sleeps (twice as long as the host took to queue them once), so it then runs
+    their work back to back whatever the host's share: the events time the device alone."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2 * host * _SLEEP_CYCLES_PER_S) + 1_000_000)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeat, host / repeat
+
+
+#: GPU clock cycles per second for ``torch.cuda._sleep``: no GPU clocks faster than this, so
+#: a sleep of ``seconds * _SLEEP_CYCLES_PER_S`` cycles lasts at least ``seconds``
+_SLEEP_CYCLES_PER_S = 2.0e9
+
+
 def _measure(fns: dict[str, Callable[[], object]], device: str, repeat: int) -> dict[str, float]:
     """Median seconds per call of each function.  On the CPU the candidates take turns, one
-    call each per round, so that a noisy neighbour slows them all alike."""
+    call each per round, so that a noisy neighbour slows them all alike.  On a GPU: device
+    seconds per call (see :func:`_time_cuda_device`), with ``<name>:host`` (host seconds to
+    queue a call) and ``<name>:call`` (seconds per call of calls queued as they come)."""
     if device != "cpu":
-        return {name: _time_cuda(fn, repeat) for name, fn in fns.items()}
+        out: dict[str, float] = {}
+        for name, fn in fns.items():
+            out[name], out[name + ":host"] = _time_cuda_device(fn, repeat)
+            out[name + ":call"] = _time_cuda(fn, repeat)
+        return out
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -199,6 +238,8 @@ def _case(
         if device != "cpu":
             row["target_vs_copy"] = 0.85 if big else None
             row["target_vs_loop"] = 1.5
+            row["host_us"] = 1e6 * t[name + ":host"]
+            row["call_gbps"] = nbytes / t[name + ":call"] / 1e9
         results.append(row)
     return caches, ids, lay, count
 
@@ -333,6 +374,8 @@ def _print(report: dict) -> None:
                         target, "met" if r[key] >= target else "MISSED"
                     )
                 line += f"  {r[key]:.2f}{label}{mark}"
+        if "host_us" in r:
+            line += f"  host {r['host_us']:.0f} us a call, {r['call_gbps']:.0f} GB/s in calls"
         if "error" in r:
             line += f"  error: {r['error']}"
         print(line)

@@ -85,15 +85,14 @@ class CacheSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def scale_entry_nbytes(self) -> int:
         """Bytes of one engine block's scale entry (0 without scales)."""
         if self.scale_shape is None or self.scale_dtype is None:
             return 0
-        itemsize = torch.empty((), dtype=self.scale_dtype).element_size()
-        return math.prod(self.scale_shape) * itemsize
+        return math.prod(self.scale_shape) * self.scale_dtype.itemsize
 
 
 @attrs.frozen

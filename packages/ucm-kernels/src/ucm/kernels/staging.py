@@ -179,7 +179,11 @@ class HostStager:
             return self._run_sync(plan)
         if plan.device != self.device:
             raise ValueError(f"the caches are on {plan.device}, this stager on {self.device}")
-        for s, row in enumerate(plan.raw):
+        # Rows of one allocation are pinned or not together: one query (each asks the CUDA
+        # driver about the address) instead of one per row.
+        stacked = plan.raw_stacked
+        rows = [stacked] if stacked is not None else plan.raw
+        for s, row in enumerate(rows):
             if row.device.type == "cpu" and not row.is_pinned():
                 raise ValueError(
                     f"host_buffers[{s}] is not pinned: an asynchronous copy needs pinned memory "

@@ -121,6 +121,7 @@ def _copy_kernel(
 # programs per launch.  A first guess to tune on the GPU machine.
 _TILE_BYTES = 16384
 _MAX_BLOCK_D = 256
+_NUM_WARPS = 4
 
 
 def _pow2_floor(x: int) -> int:
@@ -136,12 +137,12 @@ def _alignment(values: list[int], itemsize: int) -> int:
     return align
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor on ``device``.  On a GPU through pinned memory and a non-blocking
-    copy: a copy from pageable memory would block the host until the stream drains, so the
-    next call could not be prepared while this one runs.  (The caching host allocator keeps
-    the pinned block until the copy has completed.)"""
-    host = torch.tensor(values, dtype=torch.int64)
+def _to_device(ids: torch.Tensor, offsets: list[int], device: torch.device) -> torch.Tensor:
+    """The block ids, then ``offsets``, as one int64 tensor on ``device``.  On a GPU through
+    pinned memory and a non-blocking copy: a copy from pageable memory would block the host
+    until the stream drains, so the next call could not be prepared while this one runs.
+    (The caching host allocator keeps the pinned block until the copy has completed.)"""
+    host = torch.cat((ids.reshape(-1), torch.tensor(offsets, dtype=torch.int64)))
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -162,18 +163,27 @@ def run_triton(plan: TransferPlan) -> None:
     lay = plan.layout
     spec = lay.cache
     itemsize = spec.itemsize
-    caches = [as_bits(c) for c in plan.caches]
-    data = [as_bits(d) for d in plan.data]
+    caches = plan.caches
+    data = plan.data
 
-    # Group the cache tensors by stride pattern: one launch per group.
+    # Group the cache tensors by stride pattern: one launch per group.  (Only addresses and
+    # strides are read here, which the integer views share: host time per call counts, since
+    # a large transfer's kernel takes a few hundred microseconds on a GPU.)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, c in enumerate(caches):
-        groups.setdefault(tuple(c.stride()), []).append(i)
+        groups.setdefault(c.stride(), []).append(i)
 
     ids = plan.block_ids
     count, k = (int(x) for x in ids.shape)
-    buf_base = data[0]
-    buf_offs = [(d.data_ptr() - buf_base.data_ptr()) // itemsize for d in data]
+    buf_base = as_bits(data[0])
+    buf_ptr = buf_base.data_ptr()
+    if plan.stacked is not None:  # rows evenly spaced: no per-row work
+        step = plan.stacked.stride(0)
+        buf_offs = list(range(0, count * step, step))
+        buf_spacing = [step]  # what the offsets' alignment depends on
+    else:
+        buf_offs = [(d.data_ptr() - buf_ptr) // itemsize for d in data]
+        buf_spacing = buf_offs
     head_dim = spec.head_dim
     block_d = min(_MAX_BLOCK_D, triton.next_power_of_2(head_dim))
     block_t = min(
@@ -182,12 +192,14 @@ def run_triton(plan: TransferPlan) -> None:
     )
     num_tiles = triton.cdiv(lay.num_tokens, block_t)
     null_id = -1 if plan.null_block_id is None else plan.null_block_id
+    tensor_numel = lay.tensor_numel
 
     for strides, members in groups.items():
-        base = caches[members[0]]
-        cache_offs = [(caches[i].data_ptr() - base.data_ptr()) // itemsize for i in members]
-        pay_offs = [lay.tensor_offset(i) for i in members]
-        table = _to_device(ids.reshape(-1).tolist() + cache_offs + buf_offs + pay_offs, device)
+        base = as_bits(caches[members[0]])
+        base_ptr = base.data_ptr()
+        cache_offs = [(caches[i].data_ptr() - base_ptr) // itemsize for i in members]
+        pay_offs = [i * tensor_numel for i in members]
+        table = _to_device(ids, cache_offs + buf_offs + pay_offs, device)
         t_ids, t_cache, t_buf, t_pay = torch.split(
             table, [count * k, len(members), count, len(members)]
         )
@@ -198,14 +210,14 @@ def run_triton(plan: TransferPlan) -> None:
         align = 1
         if sd == 1 or shape[4] == 1:
             align = _alignment(
-                [base.data_ptr() // itemsize, buf_base.data_ptr() // itemsize, head_dim]
+                [base_ptr // itemsize, buf_ptr // itemsize, head_dim]
                 + used
                 + cache_offs
-                + buf_offs
+                + buf_spacing
                 + pay_offs,
                 itemsize,
             )
-            if base.data_ptr() % itemsize or buf_base.data_ptr() % itemsize:
+            if base_ptr % itemsize or buf_ptr % itemsize:
                 align = 1
         grid = (count * len(members) * spec.num_heads * num_tiles,)
         _copy_kernel[grid](
@@ -234,6 +246,7 @@ def run_triton(plan: TransferPlan) -> None:
             BLOCK_D=block_d,
             ALIGN=align,
             GATHER=plan.direction == GATHER,
+            num_warps=_NUM_WARPS,
         )
     if plan.scales is not None:
         copy_scales(plan)
