@@ -118,7 +118,9 @@ def _copy_kernel(
 
 # Tiles of about this many bytes per program and channel part: big enough to keep a GPU's
 # memory system busy (16-byte accesses, 4 warps: 8 per thread), small enough to give many
-# programs per launch.  A first guess to tune on the GPU machine.
+# programs per launch.  On an H100, tiles of 8-64 KiB and 4 or 8 warps all ran at 0.97-1.00
+# of a device copy (512 MiB, 16- and 256-token blocks, HND and NHD): the kernel is not
+# sensitive to them there.
 _TILE_BYTES = 16384
 _MAX_BLOCK_D = 256
 _NUM_WARPS = 4
