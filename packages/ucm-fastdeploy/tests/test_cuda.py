@@ -19,7 +19,7 @@ LAYERS, HEADS, BLOCK, DIM, BLOCKS = 3, 2, 16, 64, 48
 
 def _store(path: str, heads: int = HEADS, dim: int = DIM, **kwargs) -> AttentionStore:
     dtype = kwargs.pop("dtype", torch.bfloat16)
-    per_layer = heads * BLOCK * dim * torch.empty((), dtype=dtype).element_size()
+    per_layer = heads * BLOCK * dim * dtype.itemsize
     ucm_config = {"store": {"path": path}, **kwargs.pop("ucm_config", {})}
     return AttentionStore(
         layer_num=LAYERS,
@@ -34,7 +34,7 @@ def _store(path: str, heads: int = HEADS, dim: int = DIM, **kwargs) -> Attention
 def _random(seed: int, dtype: torch.dtype, device: str, shape=(BLOCKS, HEADS, BLOCK, DIM)):
     """Random bits of ``dtype`` (NaN payloads included): a misplaced byte shows."""
     gen = torch.Generator().manual_seed(seed)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8, generator=gen)
     return raw.view(dtype).to(device)
 

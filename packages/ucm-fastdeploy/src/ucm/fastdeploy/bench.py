@@ -120,10 +120,13 @@ def _measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
 
     times: dict[str, list[float]] = {}
 
+    def keep(name: str, seconds: float) -> None:
+        times.setdefault(name, []).append(seconds)
+
     def timed(name: str, run: Callable[[], int | None]) -> int | None:
         t0 = time.perf_counter()
         got = run()
-        times.setdefault(name, []).append(time.perf_counter() - t0)
+        keep(name, time.perf_counter() - t0)
         return got
 
     def write(name: str, version: str, slice_blocks: int) -> AttentionStore:
@@ -159,14 +162,21 @@ def _measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
         # under the kernel's default background writeback threshold of 10% of memory.
         os.sync()
         store_w, store_r = through_store(store, srcs, dsts, n)  # context: the store alone
-        times.setdefault("store_write", []).append(store_w)
-        times.setdefault("store_read", []).append(store_r)
+        keep("store_write", store_w)
+        keep("store_read", store_r)
+        writers: list[AttentionStore] = []
+
+        def drop_written() -> None:  # free the page cache
+            for w in writers:
+                store.remove(w.keyspace.keys(token_ids, 0, n))
+            writers.clear()
+
         version = f"write-{r}"
         os.sync()
         in_turn(
             r,
             lambda: timed("raw_write", lambda: raw_write(raw_path, srcs, n, False)),
-            lambda: write("write", version, 100),
+            lambda: writers.append(write("write", version, 100)),
         )
         os.sync()
         in_turn(
@@ -175,16 +185,14 @@ def _measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
             lambda: read(version),
         )
         os.unlink(raw_path)
-        store.remove(fd(version, 100).keyspace.keys(token_ids, 0, n))
-        writers: list[AttentionStore] = []
+        drop_written()
         os.sync()
         in_turn(
             r,
             lambda: writers.append(write("sliced_write", f"sliced-{r}", 100)),
             lambda: writers.append(write("unsliced_write", f"unsliced-{r}", n)),
         )
-        for w in writers:  # free the page cache
-            store.remove(w.keyspace.keys(token_ids, 0, n))
+        drop_written()
 
     one_round(-1)  # untimed: the first writes of a run fault in the store's memory
     times.clear()

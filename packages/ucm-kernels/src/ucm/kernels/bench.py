@@ -56,60 +56,51 @@ def _time_cpu(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
-def _time_cuda(fn: Callable[[], object], repeat: int, warmup: int = 3) -> float:
-    """Seconds per call of ``repeat`` calls queued back to back (the host prepares the next
-    call while the device runs the last one, as in an engine)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeat
-
-
-def _time_cuda_device(
-    fn: Callable[[], object], repeat: int, warmup: int = 3
-) -> tuple[float, float]:
-    """Device seconds per call, and host seconds to queue one.  The calls are queued while
-    the GPU sleeps (twice as long as the host took to queue them once), so it then runs
-    their work back to back whatever the host's share: the events time the device alone."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(2 * host * _SLEEP_CYCLES_PER_S) + 1_000_000)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeat, host / repeat
-
-
 #: GPU clock cycles per second for ``torch.cuda._sleep``: no GPU clocks faster than this, so
 #: a sleep of ``seconds * _SLEEP_CYCLES_PER_S`` cycles lasts at least ``seconds``
 _SLEEP_CYCLES_PER_S = 2.0e9
 
 
+def _time_cuda(
+    fn: Callable[[], object], repeat: int, warmup: int = 3
+) -> tuple[float, float, float]:
+    """Seconds per call of ``fn`` on the device alone, on the host, and in calls queued as
+    they come (the slower of the two, as in an engine).
+
+    The calls are first queued as they come, which also times the host; then queued again
+    while the GPU sleeps (twice as long as the host took), so the GPU runs their work back
+    to back whatever the host's share and the events time the device alone."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+
+    def queued(sleep_s: float) -> tuple[float, float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if sleep_s:
+            torch.cuda._sleep(int(sleep_s * _SLEEP_CYCLES_PER_S) + 1_000_000)
+        start.record()
+        t = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        host = time.perf_counter() - t
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeat, host / repeat
+
+    call, host = queued(0.0)
+    device, _ = queued(2 * host * repeat)
+    return device, host, call
+
+
 def _measure(fns: dict[str, Callable[[], object]], device: str, repeat: int) -> dict[str, float]:
     """Median seconds per call of each function.  On the CPU the candidates take turns, one
     call each per round, so that a noisy neighbour slows them all alike.  On a GPU: device
-    seconds per call (see :func:`_time_cuda_device`), with ``<name>:host`` (host seconds to
+    seconds per call (see :func:`_time_cuda`), with ``<name>:host`` (host seconds to
     queue a call) and ``<name>:call`` (seconds per call of calls queued as they come)."""
     if device != "cpu":
         out: dict[str, float] = {}
         for name, fn in fns.items():
-            out[name], out[name + ":host"] = _time_cuda_device(fn, repeat)
-            out[name + ":call"] = _time_cuda(fn, repeat)
+            out[name], out[name + ":host"], out[name + ":call"] = _time_cuda(fn, repeat)
         return out
     for fn in fns.values():
         fn()
