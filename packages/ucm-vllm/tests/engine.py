@@ -39,8 +39,42 @@ def shared_prefix_prompts(
 def assert_same_outputs(
     reference: dict[str, Any], other: dict[str, Any], tol: float = 1e-3
 ) -> None:
+    """The oracle of reuse: the same tokens, logprobs within ``tol``.
+
+    Only for runs whose requests went one at a time: vLLM CPU's numerics move with the shape
+    of the batch, so batched runs differ by ~0.05 in logprobs even without a connector
+    (use ``assert_close_outputs`` for those).
+    """
+    assert not reference.get("together") and not other.get("together"), (
+        "an exact comparison needs runs whose requests went one at a time"
+    )
     assert len(reference["outputs"]) == len(other["outputs"])
     for ref, out in zip(reference["outputs"], other["outputs"]):
         assert out["tokens"] == ref["tokens"]
         for a, b in zip(ref["logprobs"], out["logprobs"]):
             assert abs(a - b) <= tol, (ref["logprobs"], out["logprobs"])
+
+
+#: how far batching alone moves a logprob here (0.055 seen), with room to spare
+BATCH_TOLERANCE = 0.15
+
+
+def assert_close_outputs(
+    reference: dict[str, Any], other: dict[str, Any], tol: float = BATCH_TOLERANCE
+) -> None:
+    """The comparison for runs whose requests were batched differently.
+
+    Logprobs agree within ``tol``; tokens agree wherever the reference's greedy pick was
+    decisive.  Where the reference's two best candidates lie within ``2 * tol`` of each
+    other, batching noise may pick the other one: from that token on the two sequences
+    follow different contexts and are no longer compared.
+    """
+    assert len(reference["outputs"]) == len(other["outputs"])
+    for ref, out in zip(reference["outputs"], other["outputs"]):
+        assert len(ref["tokens"]) == len(out["tokens"])
+        for i, (want, got) in enumerate(zip(ref["tokens"], out["tokens"])):
+            close_call = ref["margins"][i] <= 2 * tol
+            if want != got:
+                assert close_call, (i, ref, out)
+                break
+            assert abs(ref["logprobs"][i] - out["logprobs"][i]) <= tol, (i, ref, out)

@@ -3,9 +3,11 @@
     python run_engine.py SPEC_JSON
 
 SPEC: model, prompts (token id lists), max_tokens, store (a store dict or null: no
-connector), extra (more kv_connector_extra_config), engine (more LLM kwargs).
+connector), extra (more kv_connector_extra_config), engine (more LLM kwargs), together
+(send the prompts in one ``generate`` call; by default they go one at a time).
 Every run pins the CPU threads the same way (../shared/DESIGN.md section 3), so outputs of
-runs with and without the connector are comparable bit for bit.
+runs with and without the connector are comparable bit for bit, as long as the requests go
+one at a time: vLLM CPU's numerics move with the shape of the batch (logprobs by ~0.05).
 """
 
 import os
@@ -43,14 +45,19 @@ def main() -> None:
             "kv_connector_extra_config": extra,
         }
     llm = LLM(**kw)
+    # the top two logprobs: the margin between them says how decisive each greedy pick was
     params = SamplingParams(
-        temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=1, detokenize=False
+        temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=2, detokenize=False
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    together = bool(spec.get("together", False))
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if together:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     seconds = time.perf_counter() - t0
-    result = {"seconds": seconds, "outputs": []}
+    result = {"seconds": seconds, "together": together, "outputs": []}
     for out in outputs:
         completion = out.outputs[0]
         result["outputs"].append(
@@ -59,15 +66,22 @@ def main() -> None:
                 "logprobs": [
                     lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs)
                 ],
+                "margins": [_margin(lp) for lp in completion.logprobs],
                 "num_cached_tokens": out.num_cached_tokens,
             }
         )
     metrics = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:ucm_"):
+        if metric.name.startswith("vllm:ucm_") or metric.name == "vllm:num_preemptions":
             metrics[metric.name] = getattr(metric, "value", None)
     result["metrics"] = metrics
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _margin(logprobs: dict) -> float:
+    """The gap between the best and the second-best logprob at one position."""
+    ranked = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
 
 
 if __name__ == "__main__":
