@@ -194,3 +194,29 @@ def test_failed_hybrid_load_recomputes_the_request(harness):
     assert so.num_scheduled_tokens[req.request_id] == 1100  # recomputed from the start
     # and its blocks are dumped again from the start
     assert planned(meta(so).dumps)[0] == [0, 1, 2, 3]
+
+
+def test_dumps_planned_at_finish_skip_window_blocks_vllm_let_go(harness, monkeypatch):
+    # Dumps held back through a request's last steps (as a sync load's step holds them) are
+    # planned in request_finished, from the block table vLLM passes then: window blocks it
+    # has already let go of (remove_skipped_blocks) are the null block there.  Their tails
+    # must not be stored: the payload would be the null block's bytes under a valid key.
+    h = harness(max_num_batched_tokens=512)
+    side = h.connector.scheduler
+    planner = side.build_connector_meta
+
+    def hold_dumps(scheduler_output):
+        for state in side.requests.values():
+            state.load_step = True
+        return planner(scheduler_output)
+
+    monkeypatch.setattr(side, "build_connector_meta", hold_dumps)
+    h.add_request(prompt(1100), max_tokens=1)
+    for _ in range(3):
+        so, _ = h.step()
+        assert meta(so).dumps == []
+    so, _ = h.step()
+    (finished,) = meta(so).dumps
+    items = finished.items
+    assert all(0 not in item.block_ids for item in items)
+    assert planned([finished])[0] == [0, 1, 2, 3]  # every full-attention block

@@ -290,3 +290,33 @@ def test_preempted_request_is_announced_and_resumes(harness):
             h.step(KVConnectorOutput(finished_sending={req_id}))
     assert preempted
     assert a.is_finished() and b.is_finished()
+
+
+def test_preempted_after_its_sync_load_loads_again_and_dumps_once(harness):
+    # A request preempted after its sync load step, before a step of its own settled the
+    # load, resumes with a fresh lookup: its load is not taken as failed (it loads again)
+    # and the blocks it dumped are not planned again.
+    import time
+
+    h = harness(max_num_batched_tokens=1024)
+    tokens = prompt(1100)
+    store_blocks(h, tokens, 2)
+    req = h.add_request(tokens, max_tokens=8)
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).loads] == [(0, 2)]
+    assert meta(so).dumps == []  # held back in the load step
+    # preempted before it runs again, and vLLM's own cache of its blocks is gone
+    h.scheduler.running.remove(req)
+    h.scheduler._preempt_request(req, time.monotonic())
+    assert h.scheduler.reset_prefix_cache()
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).loads] == [(0, 2)]  # loaded again from the store
+    assert so.num_scheduled_tokens[req.request_id] == 1101 - 512  # with its first output
+    dumps = []
+    for _ in range(100):
+        if req.is_finished():
+            break
+        so, _ = h.step()
+        dumps += [span(t) for t in meta(so).dumps]
+    assert req.is_finished()
+    assert dumps == [(2, 2)]  # blocks 2 and 3, once

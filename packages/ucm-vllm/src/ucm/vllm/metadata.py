@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+NULL_BLOCK = 0  # vLLM's block pool reserves block 0; it is never read or written here
+
 
 @dataclass
 class Item:

@@ -16,7 +16,7 @@ from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundarie
 from ucm.core.hybrid_store import plan_dump
 from ucm.core.keys import block_keys, scoped_keys
 from ucm.vllm.layout import ModelLayout
-from ucm.vllm.metadata import Item, Transfer, UCMConnectorMetadata
+from ucm.vllm.metadata import NULL_BLOCK, Item, Transfer, UCMConnectorMetadata
 from ucm.vllm.stats import UCMStats
 from ucm.vllm.stores import ConnectorStores
 
@@ -126,7 +126,12 @@ class SchedulerSide:
         if not self.enabled:
             return 0, False
         state = self._state(request)
-        if state.loaded_to:
+        if state.loaded_to and _preempted(request):
+            # Preempted before a step of its own settled the load: vLLM freed the blocks the
+            # load filled, whatever became of it, and the request starts over from a fresh
+            # lookup.  (Had the load failed, the blocks it would have dumped again are lost.)
+            state.loaded_to = 0
+        elif state.loaded_to:
             # Asked again before the planned load was ever scheduled: vLLM gave the request
             # back after the load failed.  Retrying could fail the same way forever.
             state.load_failed = True
@@ -216,10 +221,13 @@ class SchedulerSide:
             wa_after=state.wa_after,
         )
         state.next_dump = plan.dumped
-        if not plan.blocks:
+        items = [self._item(state, ref, block_ids) for ref in plan.blocks]
+        # A block vLLM has let go of is the null block in ``block_ids`` (window blocks out
+        # of the window, in request_finished): its bytes must never go under a valid key.
+        items = [it for it in items if NULL_BLOCK not in it.block_ids]
+        if not items:
             return None
         state.dumped = True
-        items = [self._item(state, ref, block_ids) for ref in plan.blocks]
         return Transfer(state.request.request_id, items)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
@@ -243,3 +251,9 @@ def _aborted(request: Any) -> bool:
     from vllm.v1.request import RequestStatus
 
     return bool(request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))
+
+
+def _preempted(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return bool(request.status == RequestStatus.PREEMPTED)

@@ -33,12 +33,11 @@ from ucm.core.store import KeyResult, Task
 from ucm.kernels import HostStager, payload_nbytes
 from ucm.vllm.buffers import RowPool
 from ucm.vllm.layout import GroupLayout, ModelLayout
-from ucm.vllm.metadata import Item, Transfer, UCMConnectorMetadata
+from ucm.vllm.metadata import NULL_BLOCK, Item, Transfer, UCMConnectorMetadata
 from ucm.vllm.stats import UCMStats
 from ucm.vllm.stores import ConnectorStores
 
 log = logging.getLogger(__name__)
-NULL_BLOCK = 0  # vLLM's block pool reserves block 0; it is never read or written here
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
 
 # Sync loads are read and scattered in pieces of about this size, so that the reads of one
@@ -264,11 +263,10 @@ class WorkerSide:
     # -- dumps --
 
     def handle_preemptions(self, meta: UCMConnectorMetadata) -> None:
-        """Before the forward pass that may reuse the preempted requests' blocks."""
-        if meta.preempted:
-            # Gathers copy synchronously, so the engine blocks are free to reuse already;
-            # waiting the writes lets the resumed request find its prefix in the store.
-            self.tracker.flush(meta.preempted, timeout=10.0)
+        """Before the forward pass that may reuse the preempted requests' blocks: nothing
+        to wait for.  Every dump gathered its blocks into host rows in the step that
+        planned it, so the engine may reuse them already; the writes go on, and a resumed
+        request that looks its prefix up before they land recomputes what is missing."""
 
     def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
         self.delayed += meta.delayed
