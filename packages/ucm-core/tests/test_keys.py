@@ -107,3 +107,28 @@ def test_scoped_keys_isolate_scopes_and_keep_prefixes():
     assert len(a) == 4 and set(a).isdisjoint(b) and set(a).isdisjoint(chain)
     shorter = scoped_keys(chain[:2], Namespace(model="m", layout="g0", rank=0, world_size=2))
     assert shorter == a[:2]
+
+
+def test_placed_extras_mark_every_block_an_item_overlaps():
+    from ucm.core.keys import placed_extras
+
+    assert placed_extras([], 1000, 256) is None
+    extras = placed_extras([("img-a", 300, 400)], 1000, 256)  # tokens 300..699
+    assert len(extras) == 3
+    assert extras[0] == b"" and extras[1] and extras[2]
+    assert extras[1] != extras[2]  # the offset is relative to each block
+    assert placed_extras([("img-b", 300, 400)], 1000, 256)[1] != extras[1]
+
+
+def test_an_image_changes_keys_from_its_first_block_on():
+    from ucm.core.keys import placed_extras
+
+    ns = Namespace(model="m", layout="l")
+    tokens = [7] * 1024  # placeholders look alike: only the extras tell images apart
+    a = block_keys(ns, tokens, 256, extras=placed_extras([("a", 600, 100)], 1024, 256))
+    b = block_keys(ns, tokens, 256, extras=placed_extras([("b", 600, 100)], 1024, 256))
+    moved = block_keys(ns, tokens, 256, extras=placed_extras([("a", 610, 100)], 1024, 256))
+    plain = block_keys(ns, tokens, 256)
+    assert a[:2] == b[:2] == plain[:2]  # blocks before the image are shared
+    assert all(x != y for x, y in zip(a[2:], b[2:]))
+    assert all(x != y for x, y in zip(a[2:], moved[2:]))

@@ -7,6 +7,15 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def weights_digest_cache(tmp_path_factory):
+    """The engines' cache of weights digests, in the test run's own folder (inherited by
+    the engine processes)."""
+    import os
+
+    os.environ["UCM_CACHE_DIR"] = str(tmp_path_factory.mktemp("ucm_cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     from models import make_tiny_llama

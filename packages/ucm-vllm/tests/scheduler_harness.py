@@ -267,7 +267,10 @@ class SchedulerHarness:
         request_id: str | None = None,
         max_tokens: int = 4,
         kv_transfer_params: dict[str, Any] | None = None,
+        **request_kw: Any,
     ) -> Request:
+        """A request as the engine makes it; ``request_kw``: more ``Request`` arguments
+        (``lora_request``, ``mm_features``, ``cache_salt``, ...)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"  # type: ignore[call-overload]
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         if kv_transfer_params is not None:
@@ -278,6 +281,7 @@ class SchedulerHarness:
             sampling_params=sp,
             pooling_params=None,
             block_hasher=self._hasher,
+            **request_kw,
         )
         if kv_transfer_params is not None:
             req.kv_transfer_params = kv_transfer_params

@@ -220,3 +220,40 @@ def test_preemption_with_small_kv_space(tiny_model, tmp_path):
     # 25 distinct store blocks: the shared one, and 6 of each prompt's own
     assert warm["metrics"]["vllm:ucm_loaded_blocks"] >= 20
     assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
+
+
+def test_same_weights_at_another_path_hit(
+    reference, cold, tiny_model, prompts, store_dir, tmp_path
+):
+    # Keys name the model by content: a copy of the weights (another host's mount) hits.
+    import shutil
+
+    copy = tmp_path / "mounted" / "elsewhere"
+    shutil.copytree(tiny_model, copy)
+    run = run_engine(
+        {"model": str(copy), "prompts": prompts, "store": {"kind": "posix", "path": store_dir}}
+    )
+    assert_same_outputs(reference, run)
+    assert run["metrics"]["vllm:ucm_loaded_blocks"] >= 4
+    assert run["metrics"].get("vllm:ucm_load_errors", 0) == 0
+
+
+def test_weights_rewritten_in_place_never_hit(cold, tiny_model, prompts, store_dir, tmp_path):
+    # New weights written over the path whose blocks are stored (the same config, shapes
+    # and file sizes): no block of the old weights is loaded, and the outputs are those of
+    # the new weights without the connector.
+    import shutil
+
+    from models import make_tiny_llama
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model, path)
+    store = {"kind": "posix", "path": store_dir}
+    before = run_engine({"model": str(path), "prompts": prompts[:1], "store": store})
+    assert before["metrics"]["vllm:ucm_loaded_blocks"] >= 4  # the copy hits, as above
+    make_tiny_llama(path, seed=1)
+    new_reference = run_engine({"model": str(path), "prompts": prompts})
+    run = run_engine({"model": str(path), "prompts": prompts, "store": store})
+    assert_same_outputs(new_reference, run)
+    assert run["metrics"].get("vllm:ucm_loaded_blocks", 0) == 0
+    assert run["metrics"].get("vllm:ucm_lookup_hit_tokens", 0) == 0

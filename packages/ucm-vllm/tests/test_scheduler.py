@@ -320,3 +320,92 @@ def test_preempted_after_its_sync_load_loads_again_and_dumps_once(harness):
         dumps += [span(t) for t in meta(so).dumps]
     assert req.is_finished()
     assert dumps == [(2, 2)]  # blocks 2 and 3, once
+
+
+def store_chain(h, req, n: int) -> None:
+    """Store the first ``n`` blocks of ``req``'s own chain (its adapter and images included)."""
+    side = h.connector.scheduler
+    chain = side._state(req).chain[:n]
+    store = PosixStore(PosixStoreConfig(path=str(h.connector.config.store.path)))
+    for group in side.layout.stored_groups:
+        keys = scoped_keys(chain, side.layout.scope(group, 0))
+        assert all(r.ok for r in store.wait(store.dump(keys, [b"x"] * len(keys))))
+    store.close()
+    del side.requests[req.request_id]
+
+
+def adapter(tmp_path, name: str, seed: int):
+    """A LoRA adapter folder (weights and config) and its request."""
+    from vllm.lora.request import LoRARequest
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"]}')
+    (folder / "adapter_model.safetensors").write_bytes(random.Random(seed).randbytes(4096))
+    return LoRARequest(lora_name=name, lora_int_id=seed, lora_path=str(folder))
+
+
+def test_lora_requests_hit_their_own_adapters_blocks_only(harness, tmp_path):
+    h = harness(max_num_batched_tokens=1024)
+    tokens = prompt(700)
+    a, b = adapter(tmp_path, "a", 1), adapter(tmp_path, "b", 2)
+    store_chain(h, h.make_request(tokens, lora_request=a), 2)
+    hits = {}
+    for name, lora in [("a", a), ("b", b), ("base", None)]:
+        req = h.make_request(tokens, lora_request=lora)
+        hits[name] = h.connector.get_num_new_matched_tokens(req, 0)[0]
+    assert hits == {"a": 512, "b": 0, "base": 0}
+    # the same adapter name with other weights is another adapter
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"retrained" * 500)
+    h2 = harness(max_num_batched_tokens=1024)
+    req = h2.make_request(tokens, lora_request=a)
+    assert h2.connector.get_num_new_matched_tokens(req, 0)[0] == 0
+
+
+def test_lora_request_loads_and_dumps_in_the_engine(harness, tmp_path):
+    h = harness(max_num_batched_tokens=1024)
+    tokens = prompt(900)
+    lora = adapter(tmp_path, "a", 1)
+    store_chain(h, h.make_request(tokens, lora_request=lora), 2)
+    req = h.add_request(tokens, lora_request=lora, max_tokens=2)
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).loads] == [(0, 2)]
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).dumps] == [(2, 1)]
+
+
+def image(identifier: str, offset: int, length: int):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=length),
+    )
+
+
+def test_multimodal_requests_hit_the_same_image_at_the_same_place_only(harness):
+    h = harness()
+    tokens = prompt(1100)
+    tokens[300:500] = [5] * 200  # the image's placeholder tokens
+    store_chain(h, h.make_request(tokens, mm_features=[image("img-a", 300, 200)]), 4)
+    hits = {}
+    for name, features in [
+        ("same", [image("img-a", 300, 200)]),
+        ("other image", [image("img-b", 300, 200)]),
+        ("no image", None),
+    ]:
+        req = h.make_request(tokens, mm_features=features)
+        hits[name] = h.connector.get_num_new_matched_tokens(req, 0)[0]
+    # another image shares the block before its placeholders only
+    assert hits == {"same": 1024, "other image": 256, "no image": 256}
+
+
+def test_prompt_embeddings_are_not_stored(harness):
+    import torch
+
+    h = harness()
+    req = h.make_request(prompt(600), prompt_embeds=torch.zeros(600, 8))
+    assert h.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert h.connector.scheduler._state(req).chain == []

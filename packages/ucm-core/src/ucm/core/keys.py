@@ -128,3 +128,30 @@ def scoped_keys(chain: Sequence[bytes], scope: Namespace | bytes) -> list[bytes]
     digest = scope.digest() if isinstance(scope, Namespace) else bytes(scope)
     h = xxhash.xxh3_128_digest
     return [h(digest + key) for key in chain]
+
+
+def placed_extras(
+    items: Sequence[tuple[str, int, int]], num_tokens: int, block_tokens: int
+) -> list[bytes] | None:
+    """``extras`` for :func:`block_keys`: inputs that are not token ids, by the blocks they
+    fall in (``None`` when there are none).
+
+    ``items``: ``(identifier, offset, length)`` of each input (an image's content hash and
+    the placeholder tokens standing for it in the prompt).  Block ``i`` mixes in the
+    identifier and the offset, relative to the block's start, of every item overlapping its
+    tokens, so the same placeholders with another image, or the same image at another
+    place, give other keys from that block on.
+    """
+    if not items:
+        return None
+    extras = []
+    for i in range(num_tokens // block_tokens):
+        start, end = i * block_tokens, (i + 1) * block_tokens
+        out = bytearray()
+        for identifier, offset, length in items:
+            if offset < end and offset + length > start:
+                name = identifier.encode("utf-8")
+                out += len(name).to_bytes(4, "little") + name
+                out += (offset - start).to_bytes(8, "little", signed=True)
+        extras.append(bytes(out))
+    return extras

@@ -20,6 +20,7 @@ from ucm.core.config import (
     wa_dump_block_wise_setting,
     with_config_file,
 )
+from ucm.core.model_identity import DIGEST_MODES
 
 
 def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -48,10 +49,20 @@ class ConnectorConfig:
         validator=int_in_range(0, 1 << 30),
     )
     model_fingerprint: str | None = setting(
-        "Names the weights in every key; null: derived from the model path, revision, dtype "
-        "and quantization. Set it when one model is served from different paths.",
+        "Names the model in every key, in place of what UCM derives from its content (the "
+        "configuration, the weights' content, dtype, quantization, KV-cache dtype). Set it "
+        "where the weights are not local files; change it whenever the weights change.",
         default=None,
         validator=_optional_str,
+    )
+    weights_digest: str = setting(
+        "How the weights' content is named. ``sampled``: each file's size, safetensors "
+        "header and 64 pieces of 64 KiB spread over it (a retrained or fine-tuned model "
+        "always differs); ``full``: every byte. Hub snapshots are named by their blobs' "
+        "SHA-256 either way, and digests are cached by path, size and times, so a model "
+        "seen before is not read again.",
+        default="sampled",
+        validator=one_of(*DIGEST_MODES),
     )
     load_mode: str = setting(
         "When store hits are loaded. ``sync``: before the forward pass of the step that "

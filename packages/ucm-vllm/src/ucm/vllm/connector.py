@@ -73,6 +73,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config.load_tokens_threshold,
                 sync_loads=sync,
                 wa_dump_block_wise=self.config.wa_dump_block_wise,
+                weights_digest=self.config.weights_digest,
             )
         else:
             self.worker = WorkerSide(

@@ -10,13 +10,20 @@ their spec type and window, never by model name or position.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
+from pathlib import Path
 
 import attrs
 from ucm.core.hybrid import FULL, WINDOW, HybridLayout, KVGroup
 from ucm.core.hybrid_store import key_rank
 from ucm.core.keys import Namespace
+from ucm.core.model_identity import config_digest, weights_digest
 from ucm.vllm.config import ConnectorConfig
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -72,11 +79,11 @@ class ModelLayout:
         tails = self.hybrid.tail_groups
         return tuple(g for g in self.groups if g.kind == "full" or g.index in tails)
 
-    def chain_namespace(self, cache_salt: str | None) -> Namespace:
-        """Seeds the token chain shared by every group and rank of one request."""
-        return Namespace(
-            model=self.fingerprint, layout="vllm-token-chain", cache_salt=cache_salt or ""
-        )
+    def chain_namespace(self, cache_salt: str | None, adapter: str = "") -> Namespace:
+        """Seeds the token chain shared by every group and rank of one request; ``adapter``
+        names the request's LoRA adapter (:func:`adapter_identity`), if any."""
+        model = f"{self.fingerprint}|adapter:{adapter}" if adapter else self.fingerprint
+        return Namespace(model=model, layout="vllm-token-chain", cache_salt=cache_salt or "")
 
     def scope(self, group: GroupLayout, rank: int) -> bytes:
         """The key scope (digest) of one group on one rank (replicated groups: one for all)."""
@@ -100,19 +107,75 @@ class ModelLayout:
         return not group.replicated or key_rank(key, self.world_size) == self.rank
 
 
-def model_fingerprint(vllm_config: object, override: str | None) -> str:
-    if override:
-        return override
+def model_fingerprint(vllm_config: object, config: ConnectorConfig) -> str:
+    """What names the model in every key: the configuration as vLLM applies it (overrides
+    included), the weights' content (:mod:`ucm.core.model_identity`), dtype, quantization
+    and KV-cache dtype; never the path it was loaded from.  ``model_fingerprint`` in the
+    settings overrides it."""
+    if config.model_fingerprint:
+        return config.model_fingerprint
     mc = vllm_config.model_config  # type: ignore[attr-defined]
     cc = vllm_config.cache_config  # type: ignore[attr-defined]
     parts = [
-        str(mc.model),
-        str(getattr(mc, "revision", None) or ""),
-        str(mc.dtype),
-        str(getattr(mc, "quantization", None) or ""),
-        str(getattr(cc, "cache_dtype", "")),
+        "config:" + config_digest(mc.hf_config.to_dict()),
+        "weights:" + _weights_identity(vllm_config, config.weights_digest),
+        f"dtype:{mc.dtype}",
+        f"quantization:{getattr(mc, 'quantization', None) or ''}",
+        f"kv-cache:{getattr(cc, 'cache_dtype', '')}",
     ]
     return "|".join(parts)
+
+
+def adapter_identity(lora_request: object, mode: str) -> str:
+    """What names a LoRA adapter in keys: its name, and the content of its weights and of
+    its ``adapter_config.json`` (by path where there are no local files)."""
+    name = str(getattr(lora_request, "lora_name", ""))
+    path = str(getattr(lora_request, "lora_path", "") or "")
+    local = _local_model_path(path, None) if path else None
+    digest = weights_digest(local, mode) if local is not None else None
+    if digest is None:
+        log.warning(
+            "UCMConnector: no weight files found for LoRA adapter %s (%s): its blocks are "
+            "named by its path",
+            name,
+            path,
+        )
+        return f"{name}|path:{path}"
+    config = Path(local, "adapter_config.json") if local is not None else None
+    config_part = ""
+    if config is not None and config.is_file():
+        config_part = "|config:" + config_digest(json.loads(config.read_text()))
+    return f"{name}|weights:{digest}{config_part}"
+
+
+def _weights_identity(vllm_config: object, mode: str) -> str:
+    mc = vllm_config.model_config  # type: ignore[attr-defined]
+    load_format = str(getattr(vllm_config.load_config, "load_format", ""))  # type: ignore[attr-defined]
+    if load_format.lower().endswith("dummy"):
+        return f"dummy:seed={mc.seed}"  # random weights: the seed names them
+    location = _local_model_path(str(mc.model), getattr(mc, "revision", None))
+    digest = weights_digest(location, mode) if location is not None else None
+    if digest is not None:
+        return digest
+    log.warning(
+        "UCMConnector: no weight files found for %s: keys name the model by its path and "
+        "revision (set kv_connector_extra_config.model_fingerprint to share a store across "
+        "paths, and change it when the weights change)",
+        mc.model,
+    )
+    return f"path:{mc.model}@{getattr(mc, 'revision', None) or ''}"
+
+
+def _local_model_path(model: str, revision: str | None) -> str | None:
+    """The local folder or file of ``model``: itself, or its snapshot in the hub cache."""
+    if os.path.exists(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the hub cache (or not a hub id): no local copy
+        return None
 
 
 def describe(
@@ -159,7 +222,7 @@ def describe(
             )
         )
     return ModelLayout(
-        fingerprint=model_fingerprint(vllm_config, config.model_fingerprint),
+        fingerprint=model_fingerprint(vllm_config, config),
         block_tokens=config.block_tokens,
         rank=rank,
         world_size=world,

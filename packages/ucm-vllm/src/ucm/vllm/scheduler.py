@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundaries
 from ucm.core.hybrid_store import plan_dump
-from ucm.core.keys import block_keys, scoped_keys
-from ucm.vllm.layout import ModelLayout
+from ucm.core.keys import block_keys, placed_extras, scoped_keys
+from ucm.vllm.layout import ModelLayout, adapter_identity
 from ucm.vllm.metadata import NULL_BLOCK, Item, Transfer, UCMConnectorMetadata
 from ucm.vllm.stats import UCMStats
 from ucm.vllm.stores import ConnectorStores
@@ -53,8 +53,11 @@ class SchedulerSide:
         load_threshold: int,
         sync_loads: bool = False,
         wa_dump_block_wise: bool = True,
+        weights_digest: str = "sampled",
     ) -> None:
         self.layout = layout
+        self.weights_digest = weights_digest
+        self.adapters: dict[tuple[str, str | None], str] = {}  # LoRA adapter identities
         self.stores = stores
         self.load_threshold = load_threshold
         self.sync_loads = sync_loads
@@ -70,12 +73,19 @@ class SchedulerSide:
     # -- keys and lookups --
 
     def _cacheable(self, request: Any) -> bool:
-        # Inputs that are not token ids would need their own key material.
-        return not (
-            getattr(request, "mm_features", None)
-            or getattr(request, "lora_request", None)
-            or getattr(request, "prompt_embeds", None) is not None
-        )
+        # Prompt embeddings are no token ids: nothing names them cheaply (not stored).
+        return getattr(request, "prompt_embeds", None) is None and bool(request.prompt_token_ids)
+
+    def _adapter(self, request: Any) -> str:
+        """The identity of the request's LoRA adapter ("" without one), computed once."""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return ""
+        cache_key = (lora.lora_name, getattr(lora, "lora_path", None))
+        found = self.adapters.get(cache_key)
+        if found is None:
+            found = self.adapters[cache_key] = adapter_identity(lora, self.weights_digest)
+        return found
 
     def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)
@@ -83,8 +93,17 @@ class SchedulerSide:
             state = RequestState(request)
             self.requests[request.request_id] = state
         if not state.chain and self._cacheable(request):
-            ns = self.layout.chain_namespace(getattr(request, "cache_salt", None))
-            state.chain = block_keys(ns, list(request.prompt_token_ids), self.layout.block_tokens)
+            ns = self.layout.chain_namespace(
+                getattr(request, "cache_salt", None), self._adapter(request)
+            )
+            tokens = list(request.prompt_token_ids)
+            bt = self.layout.block_tokens
+            # multimodal inputs: each item's hash in the blocks its placeholders fall in
+            placed = [
+                (f.identifier, f.mm_position.offset, f.mm_position.length)
+                for f in getattr(request, "mm_features", None) or ()
+            ]
+            state.chain = block_keys(ns, tokens, bt, extras=placed_extras(placed, len(tokens), bt))
         return state
 
     def _ranks(self, replicated: bool) -> range:
