@@ -269,3 +269,22 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
     for name in ("posix", "direct"):
         assert scan_store(str(bench_dir / name)).blocks == []
     assert not (bench_dir / "raw").exists()
+
+
+def test_model_id_names_copies_alike(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from ucm.core.cli import main
+
+    monkeypatch.setenv("UCM_CACHE_DIR", str(tmp_path / "cache"))
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "model.safetensors").write_bytes(bytes(range(256)) * 1000)
+    shutil.copytree(a, tmp_path / "b")
+    digests = []
+    for folder in ("a", "b"):
+        assert main(["model-id", str(tmp_path / folder), "--json"]) == 0
+        digests.append(json.loads(capsys.readouterr().out)["weights"])
+    assert digests[0] == digests[1]
+    with pytest.raises(SystemExit, match="no weight files"):
+        main(["model-id", str(tmp_path / "cache")])

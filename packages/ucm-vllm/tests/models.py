@@ -16,7 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["tiny_llama_config", "make_tiny_llama", "dummy_llama_config", "make_dummy_llama"]
+__all__ = [
+    "tiny_llama_config",
+    "make_tiny_llama",
+    "make_tiny_lora",
+    "dummy_llama_config",
+    "make_dummy_llama",
+]
 
 
 def _base_llama_config(
@@ -153,4 +159,54 @@ def make_dummy_llama(dir: str | os.PathLike[str], **sizes: Any) -> Path:
     """Write only ``config.json`` (no weights) for ``load_format="dummy"`` runs."""
     d = Path(dir)
     _write_config(d, dummy_llama_config(**sizes))
+    return d
+
+
+def make_tiny_lora(
+    dir: str | os.PathLike[str],
+    *,
+    seed: int,
+    rank: int = 8,
+    scale: float = 0.2,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"),
+) -> Path:
+    """Write a LoRA adapter for the tiny Llama in PEFT's format (``adapter_config.json`` and
+    ``adapter_model.safetensors``), with seeded random A and B matrices large enough to
+    change the outputs.  It adapts the K and V projections, so it changes the KV cache."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = tiny_llama_config()
+    hidden, head = cfg["hidden_size"], cfg["head_dim"]
+    out = {
+        "q_proj": cfg["num_attention_heads"] * head,
+        "k_proj": cfg["num_key_value_heads"] * head,
+        "v_proj": cfg["num_key_value_heads"] * head,
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for target in targets:
+            name = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            a = torch.randn(rank, hidden, generator=gen) * scale
+            b = torch.randn(out[target], rank, generator=gen) * scale
+            tensors[f"{name}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{name}.lora_B.weight"] = b.to(torch.bfloat16)
+    d = Path(dir)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    (d / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
     return d

@@ -3,8 +3,9 @@
     python run_engine.py SPEC_JSON
 
 SPEC: model, prompts (token id lists), max_tokens, store (a store dict or null: no
-connector), extra (more kv_connector_extra_config), engine (more LLM kwargs), together
-(send the prompts in one ``generate`` call; by default they go one at a time).
+connector), extra (more kv_connector_extra_config), engine (more LLM kwargs), adapters
+(per prompt, a LoRA adapter as [name, id, path] or null), together (send the prompts in one
+``generate`` call; by default they go one at a time).
 Every run pins the CPU threads the same way (../shared/DESIGN.md section 3), so outputs of
 runs with and without the connector are comparable bit for bit, as long as the requests go
 one at a time: vLLM CPU's numerics move with the shape of the batch (logprobs by ~0.05).
@@ -51,11 +52,15 @@ def main() -> None:
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     together = bool(spec.get("together", False))
+    loras = [_lora(a) for a in spec.get("adapters") or [None] * len(prompts)]
     t0 = time.perf_counter()
     if together:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     else:
-        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        outputs = [
+            llm.generate([p], params, use_tqdm=False, lora_request=lora)[0]
+            for p, lora in zip(prompts, loras)
+        ]
     seconds = time.perf_counter() - t0
     result = {"seconds": seconds, "together": together, "outputs": []}
     for out in outputs:
@@ -76,6 +81,15 @@ def main() -> None:
             metrics[metric.name] = getattr(metric, "value", None)
     result["metrics"] = metrics
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _lora(adapter: list | None):
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    name, int_id, path = adapter
+    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
 
 
 def _margin(logprobs: dict) -> float:

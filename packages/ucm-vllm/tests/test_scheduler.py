@@ -367,7 +367,7 @@ def test_lora_request_loads_and_dumps_in_the_engine(harness, tmp_path):
     tokens = prompt(900)
     lora = adapter(tmp_path, "a", 1)
     store_chain(h, h.make_request(tokens, lora_request=lora), 2)
-    req = h.add_request(tokens, lora_request=lora, max_tokens=2)
+    h.add_request(tokens, lora_request=lora, max_tokens=2)
     so, _ = h.step()
     assert [span(t) for t in meta(so).loads] == [(0, 2)]
     so, _ = h.step()

@@ -32,30 +32,51 @@ LAYOUT = ModelLayout(fingerprint="m", block_tokens=256, rank=0, world_size=1, gr
 
 
 class GatedStore:
-    """A posix store whose dumps start only once ``gate`` is set (a slow or stalled store)."""
+    """A posix store whose dumps and loads start only once ``gate`` is set (a slow or
+    stalled store)."""
 
     def __init__(self, inner: PosixStore, gate: threading.Event) -> None:
         self.inner = inner
         self.gate = gate
         self.read_only = False
 
-    def dump(self, keys, buffers, layout=b""):
+    def _gated(self, op, keys, buffers, layout):
         task = Task(len(keys))
 
-        def dump_one(key, buffer):
-            return self.inner.wait(self.inner.dump([key], [buffer], layout))[0]
+        def one(key, buffer):
+            return self.inner.wait(op([key], [buffer], layout))[0]
 
         def run() -> None:
             self.gate.wait()
             for i, (key, buffer) in enumerate(zip(keys, buffers)):
-                # a key of a cancelled task is not dumped: it finishes CANCELLED
-                task.run_key(i, lambda k=key, b=buffer: dump_one(k, b))
+                # a key of a cancelled task is not started: it finishes CANCELLED
+                task.run_key(i, lambda k=key, b=buffer: one(k, b))
 
         threading.Thread(target=run, daemon=True).start()
         return task
 
+    def dump(self, keys, buffers, layout=b""):
+        return self._gated(self.inner.dump, keys, buffers, layout)
+
+    def load(self, keys, buffers, layout=b""):
+        return self._gated(self.inner.load, keys, buffers, layout)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def chain_items(n: int) -> list[Item]:
+    """Items of the first ``n`` store blocks of a 1024-token prompt, engine blocks from 1."""
+    chain = block_keys(LAYOUT.chain_namespace(None), list(range(1024)), 256)
+    return [Item(0, k, chain[k], list(range(1 + 8 * k, 9 + 8 * k))) for k in range(n)]
+
+
+def worker_on(store, **kw) -> tuple[WorkerSide, torch.Tensor]:
+    worker = WorkerSide(LAYOUT, ConnectorStores(store, None), num_groups=1, **kw)
+    torch.manual_seed(0)
+    cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
+    worker.register_kv_caches({LAYER: cache})
+    return worker, cache
 
 
 def test_preemption_does_not_wait_for_dumps(tmp_path):
@@ -64,11 +85,8 @@ def test_preemption_does_not_wait_for_dumps(tmp_path):
     # on a slow store nor cancel dumps that are fine.
     gate = threading.Event()
     inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
-    worker = WorkerSide(LAYOUT, ConnectorStores(GatedStore(inner, gate), None), num_groups=1)
-    torch.manual_seed(0)
-    worker.register_kv_caches({LAYER: torch.randn(20, 2, 32, 128).to(torch.bfloat16)})
-    chain = block_keys(LAYOUT.chain_namespace(None), list(range(512)), 256)
-    items = [Item(0, k, chain[k], list(range(1 + 8 * k, 9 + 8 * k))) for k in range(2)]
+    worker, _ = worker_on(GatedStore(inner, gate))
+    items = chain_items(2)
     worker.wait_for_save(UCMConnectorMetadata(dumps=[Transfer("a", items)]))
     worker.handle_preemptions(UCMConnectorMetadata(preempted=["a"]))
     assert not gate.is_set()  # returned with the store still stalled
@@ -79,4 +97,31 @@ def test_preemption_does_not_wait_for_dumps(tmp_path):
         time.sleep(0.01)
     assert worker.tracker.counts.ok == 2 and worker.tracker.counts.failed == 0
     assert inner.lookup_prefix(worker._keys(items)) == 2
+    worker.shutdown()
+
+
+def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_path):
+    # vLLM keeps a request aborted in WAITING_FOR_REMOTE_KVS, and its blocks, until the
+    # workers report it finished receiving: the worker must report it (it never scatters
+    # a cancelled load, so the blocks are free to go at once).
+    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
+    items = chain_items(2)
+    writer, cache = worker_on(inner)
+    writer.wait_for_save(UCMConnectorMetadata(dumps=[Transfer("cold", items)]))
+    writer.shutdown()  # waits the dumps
+    gate = threading.Event()
+    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
+    before = cache.clone()
+    worker.start_load_kv(UCMConnectorMetadata(loads=[Transfer("a", items)]))
+    _, recving, failed = worker.get_transfer_results(set())
+    assert recving == set()  # still loading
+    _, recving, failed = worker.get_transfer_results({"a"})  # aborted by the client
+    assert recving == {"a"}
+    gate.set()  # the store answers late
+    for _ in range(20):
+        _, recving, _ = worker.get_transfer_results(set())
+        assert recving == set()  # reported once
+        time.sleep(0.01)
+    assert torch.equal(cache, before)  # nothing scattered for the aborted request
+    assert worker.loads == {}
     worker.shutdown()

@@ -1,4 +1,5 @@
-"""The ``ucm`` command line: inspect, verify and trim a posix store; run the store benchmark."""
+"""The ``ucm`` command line: inspect, verify and trim a posix store; name a model's weights;
+run the store benchmark."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 from ucm.core.config import GIB, ConfigError
+from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
 from ucm.core.store.posix import BLOCKS_DIR, evict_lru, read_marker, scan_store, verify_block_file
 
 
@@ -99,6 +101,29 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_id(args: argparse.Namespace) -> int:
+    import time
+
+    from ucm.core.model_identity import weight_files, weights_digest
+
+    files = weight_files(args.path)
+    if not files:
+        raise SystemExit(f"ucm: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {args.path!r}")
+    started = time.perf_counter()
+    digest = weights_digest(args.path, args.weights_digest)
+    seconds = time.perf_counter() - started
+    size = sum(f.stat().st_size for f in files)
+    if args.json:
+        print(
+            json.dumps({"weights": digest, "files": len(files), "bytes": size, "seconds": seconds})
+        )
+        return 0
+    print(f"weights   {digest}")
+    print(f"files     {len(files)}, {_human(size)}")
+    print(f"seconds   {seconds:.3f} ({args.weights_digest})")
+    return 0
+
+
 def cmd_bench_store(args: argparse.Namespace) -> int:
     from ucm.core.bench import run_store_bench
 
@@ -125,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("path")
     gc.add_argument("--capacity-gb", type=float, required=True, help="GiB to keep")
     gc.set_defaults(func=cmd_gc)
+
+    model_id = sub.add_parser(
+        "model-id",
+        help="the digest naming a model's weights in keys (hosts that print the same one "
+        "share blocks)",
+    )
+    model_id.add_argument("path", help="the model's folder (or one weight file)")
+    model_id.add_argument(
+        "--weights-digest", choices=DIGEST_MODES, default="sampled", help="default: sampled"
+    )
+    model_id.add_argument("--json", action="store_true", help="print one JSON object")
+    model_id.set_defaults(func=cmd_model_id)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -304,12 +304,14 @@ class WorkerSide:
         self, finished_req_ids: set[str]
     ) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
-        for req_id in finished_req_ids:
-            job = self.loads.pop(req_id, None)  # aborted while loading: never scatter
-            if job is not None:
-                for _, task in job.tasks:
-                    task.cancel()
         recving, failed = set(), set()
+        for req_id in finished_req_ids:
+            job = self.loads.pop(req_id, None)
+            if job is not None:
+                # Aborted while loading: nothing is scattered, so its engine blocks are free
+                # to go, and vLLM holds them (and the request) until it is reported.
+                self._drop_load(job)
+                recving.add(req_id)
         for req_id, job in list(self.loads.items()):
             if not job.done():
                 continue
@@ -329,6 +331,12 @@ class WorkerSide:
             dump_errors=self.tracker.counts.failed - before_failed,
         )
         return sending, recving, failed
+
+    def _drop_load(self, job: LoadJob) -> None:
+        quiet = all([task.cancel() for _, task in job.tasks])
+        if quiet:
+            self.rows.give(job.rows)
+        # else reads in flight may still land in these rows: they are never reused
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_error_blocks = self.load_error_blocks, set()
