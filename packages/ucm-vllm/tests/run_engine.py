@@ -4,8 +4,9 @@
 
 SPEC: model, prompts (token id lists), max_tokens, store (a store dict or null: no
 connector), extra (more kv_connector_extra_config), engine (more LLM kwargs), adapters
-(per prompt, a LoRA adapter as [name, id, path] or null), together (send the prompts in one
-``generate`` call; by default they go one at a time).
+(per prompt, a LoRA adapter as [name, id, path] or null), images (per prompt, the seed of a
+random 112-pixel image for the prompt's image token, or null), together (send the prompts
+in one ``generate`` call; by default they go one at a time).
 Every run pins the CPU threads the same way (../shared/DESIGN.md section 3), so outputs of
 runs with and without the connector are comparable bit for bit, as long as the requests go
 one at a time: vLLM CPU's numerics move with the shape of the batch (logprobs by ~0.05).
@@ -50,7 +51,13 @@ def main() -> None:
     params = SamplingParams(
         temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=2, detokenize=False
     )
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    images = spec.get("images") or [None] * len(spec["prompts"])
+    prompts = [
+        TokensPrompt(prompt_token_ids=p)
+        if seed is None
+        else TokensPrompt(prompt_token_ids=p, multi_modal_data={"image": _image(seed)})
+        for p, seed in zip(spec["prompts"], images)
+    ]
     together = bool(spec.get("together", False))
     loras = [_lora(a) for a in spec.get("adapters") or [None] * len(prompts)]
     t0 = time.perf_counter()
@@ -81,6 +88,14 @@ def main() -> None:
             metrics[metric.name] = getattr(metric, "value", None)
     result["metrics"] = metrics
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _image(seed: int):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (112, 112, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
 
 
 def _lora(adapter: list | None):

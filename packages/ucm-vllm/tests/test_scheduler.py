@@ -41,15 +41,27 @@ def harness(tmp_path):
     return make
 
 
-def store_blocks(h, tokens: list[int], n: int) -> None:
-    """Store the first ``n`` store blocks of ``tokens`` (the scheduler never reads payloads)."""
+def store_chain(h, chain: list[bytes]) -> None:
+    """Store the blocks of ``chain`` for every group (the scheduler never reads payloads)."""
     layout = h.connector.scheduler.layout
-    chain = block_keys(layout.chain_namespace(None), tokens, BT)[:n]
     store = PosixStore(PosixStoreConfig(path=str(h.connector.config.store.path)))
     for group in layout.stored_groups:
         keys = scoped_keys(chain, layout.scope(group, 0))
         assert all(r.ok for r in store.wait(store.dump(keys, [b"x"] * len(keys))))
     store.close()
+
+
+def store_blocks(h, tokens: list[int], n: int) -> None:
+    """Store the first ``n`` store blocks of ``tokens``."""
+    layout = h.connector.scheduler.layout
+    store_chain(h, block_keys(layout.chain_namespace(None), tokens, BT)[:n])
+
+
+def store_request(h, req, n: int) -> None:
+    """Store the first ``n`` blocks of ``req``'s own chain (its adapter and images included)."""
+    side = h.connector.scheduler
+    store_chain(h, side._state(req).chain[:n])
+    del side.requests[req.request_id]
 
 
 def meta(so):
@@ -322,18 +334,6 @@ def test_preempted_after_its_sync_load_loads_again_and_dumps_once(harness):
     assert dumps == [(2, 2)]  # blocks 2 and 3, once
 
 
-def store_chain(h, req, n: int) -> None:
-    """Store the first ``n`` blocks of ``req``'s own chain (its adapter and images included)."""
-    side = h.connector.scheduler
-    chain = side._state(req).chain[:n]
-    store = PosixStore(PosixStoreConfig(path=str(h.connector.config.store.path)))
-    for group in side.layout.stored_groups:
-        keys = scoped_keys(chain, side.layout.scope(group, 0))
-        assert all(r.ok for r in store.wait(store.dump(keys, [b"x"] * len(keys))))
-    store.close()
-    del side.requests[req.request_id]
-
-
 def adapter(tmp_path, name: str, seed: int):
     """A LoRA adapter folder (weights and config) and its request."""
     from vllm.lora.request import LoRARequest
@@ -349,7 +349,7 @@ def test_lora_requests_hit_their_own_adapters_blocks_only(harness, tmp_path):
     h = harness(max_num_batched_tokens=1024)
     tokens = prompt(700)
     a, b = adapter(tmp_path, "a", 1), adapter(tmp_path, "b", 2)
-    store_chain(h, h.make_request(tokens, lora_request=a), 2)
+    store_request(h, h.make_request(tokens, lora_request=a), 2)
     hits = {}
     for name, lora in [("a", a), ("b", b), ("base", None)]:
         req = h.make_request(tokens, lora_request=lora)
@@ -366,7 +366,7 @@ def test_lora_request_loads_and_dumps_in_the_engine(harness, tmp_path):
     h = harness(max_num_batched_tokens=1024)
     tokens = prompt(900)
     lora = adapter(tmp_path, "a", 1)
-    store_chain(h, h.make_request(tokens, lora_request=lora), 2)
+    store_request(h, h.make_request(tokens, lora_request=lora), 2)
     h.add_request(tokens, lora_request=lora, max_tokens=2)
     so, _ = h.step()
     assert [span(t) for t in meta(so).loads] == [(0, 2)]
@@ -389,7 +389,7 @@ def test_multimodal_requests_hit_the_same_image_at_the_same_place_only(harness):
     h = harness()
     tokens = prompt(1100)
     tokens[300:500] = [5] * 200  # the image's placeholder tokens
-    store_chain(h, h.make_request(tokens, mm_features=[image("img-a", 300, 200)]), 4)
+    store_request(h, h.make_request(tokens, mm_features=[image("img-a", 300, 200)]), 4)
     hits = {}
     for name, features in [
         ("same", [image("img-a", 300, 200)]),
