@@ -27,7 +27,7 @@ import re
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -147,14 +147,14 @@ def _hub_blob(file: Path) -> str | None:
     return None
 
 
-def _safetensors_header(f: Any, size: int) -> bytes:
+def _safetensors_header(f: BinaryIO, size: int) -> bytes:
     head = f.read(8)
     if len(head) < 8:
         return head
     (length,) = struct.unpack("<Q", head)
     if length > min(size - 8, _MAX_SAFETENSORS_HEADER):
         return head  # not a safetensors header: the samples still cover the file
-    return bytes(head + f.read(length))
+    return head + f.read(length)
 
 
 def _sample_offsets(size: int) -> Iterable[int]:
