@@ -141,11 +141,10 @@ def adapter_identity(lora_request: object, mode: str) -> str:
             path,
         )
         return f"{name}|path:{path}"
-    config = Path(local, "adapter_config.json") if local is not None else None
-    config_part = ""
-    if config is not None and config.is_file():
-        config_part = "|config:" + config_digest(json.loads(config.read_text()))
-    return f"{name}|weights:{digest}{config_part}"
+    config = Path(str(local), "adapter_config.json")
+    if config.is_file():
+        digest += "|config:" + config_digest(json.loads(config.read_text()))
+    return f"{name}|weights:{digest}"
 
 
 def _weights_identity(vllm_config: object, mode: str) -> str:
