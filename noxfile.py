@@ -91,14 +91,20 @@ def _install_wheels(session: nox.Session, packages: list[str], extras: dict[str,
         _drop_cuda_extras(session)
 
 
+def _named_tests(session: nox.Session) -> bool:
+    """Whether the arguments after ``--`` name test files or folders to run."""
+    return any(Path(arg.split("::")[0]).exists() for arg in session.posargs)
+
+
 def _pytest(session: nox.Session, packages: list[str]) -> None:
+    """pytest over the packages' tests, or over the tests named after ``--``."""
     dirs = [f"{p}/tests" for p in packages if any(Path(p, "tests").glob("test_*.py"))]
     session.run(
         "pytest",
         "--import-mode=importlib",
         "-p",
         "no:cacheprovider",
-        *dirs,
+        *([] if _named_tests(session) else dirs),
         *session.posargs,
         env={"TRITON_INTERPRET": "1"},
     )
@@ -110,9 +116,10 @@ def tests(session: nox.Session) -> None:
     on the other Pythons it supports (the default session, and what CI runs)."""
     _install_wheels(session, PACKAGES, TEST_EXTRAS)
     _pytest(session, PACKAGES)
-    for python in CORE_PYTHONS:
-        if python != PYTHON:
-            session.notify(f"tests_core-{python}")
+    if not session.posargs:
+        for python in CORE_PYTHONS:
+            if python != PYTHON:
+                session.notify(f"tests_core-{python}")
 
 
 @nox.session(python=CORE_PYTHONS, tags=["matrix"])
