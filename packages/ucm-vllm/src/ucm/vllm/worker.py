@@ -333,7 +333,7 @@ class WorkerSide:
         return sending, recving, failed
 
     def _drop_load(self, job: LoadJob) -> None:
-        quiet = all([task.cancel() for _, task in job.tasks])
+        quiet = all([task.cancel() for _, task in job.tasks])  # a list: cancel every task
         if quiet:
             self.rows.give(job.rows)
         # else reads in flight may still land in these rows: they are never reused
