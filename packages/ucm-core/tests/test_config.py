@@ -59,7 +59,7 @@ def test_tiered_nested(tmp_path):
 
 
 INVALID = [
-    ({"kind": "nfs"}, "store.kind", "dram, posix, tiered"),
+    ({"kind": "nfs"}, "store.kind", "dram, mooncake, posix, tiered"),
     ({"kind": 3}, "store.kind", "must be one of"),
     ({"kind": None}, "store.kind", "must be one of"),
     ({"kind": "posix", "pathh": "/x"}, "store.pathh", "allowed: capacity_gb"),

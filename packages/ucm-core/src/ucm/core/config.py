@@ -265,6 +265,143 @@ class DramStoreConfig:
         return int(self.capacity_gb * GIB)
 
 
+def _host_port(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not _parse_host_port(value):
+        raise ConfigError(attribute.name, f"must be HOST:PORT (port 1-65535), got {value!r}")
+
+
+def _parse_host_port(value: str) -> tuple[str, int] | None:
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if any(c.isspace() for c in host) or "/" in host:
+        return None
+    return host, int(port)
+
+
+def _metadata_server(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value == "P2PHANDSHAKE":
+        return
+    if isinstance(value, str):
+        scheme, sep, rest = value.partition("://")
+        if (
+            sep
+            and scheme in ("http", "etcd", "redis")
+            and rest
+            and not any(c.isspace() for c in rest)
+        ):
+            return
+    raise ConfigError(
+        attribute.name,
+        "must be 'P2PHANDSHAKE' (no metadata server) or a URL: http://HOST:PORT/metadata, "
+        f"etcd://HOST:PORT or redis://HOST:PORT; got {value!r}",
+    )
+
+
+def _key_prefix(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if (
+        not isinstance(value, str)
+        or len(value) > 128
+        or any(c.isspace() or not c.isprintable() for c in value)
+    ):
+        raise ConfigError(
+            attribute.name,
+            f"must be a string of at most 128 printable characters, no spaces; got {value!r}",
+        )
+
+
+def non_negative_number(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
+        raise ConfigError(attribute.name, f"must be a number >= 0, got {value!r}")
+
+
+@attrs.frozen
+class MooncakeStoreConfig:
+    """A Mooncake Store cluster: blocks in the DRAM that its clients contribute, shared by
+    every host that reaches its master (see Running across machines)."""
+
+    kind: str = setting("Store kind.", default="mooncake", validator=one_of("mooncake"))
+    master: str = setting(
+        "The master's RPC address, HOST:PORT (mooncake_master --rpc_port).",
+        default="127.0.0.1:50051",
+        validator=_host_port,
+    )
+    metadata_server: str = setting(
+        "Where transfer endpoints are published: 'P2PHANDSHAKE' (none: peers exchange them "
+        "directly), or the master's HTTP metadata server (http://HOST:PORT/metadata), or "
+        "etcd://HOST:PORT / redis://HOST:PORT.",
+        default="P2PHANDSHAKE",
+        validator=_metadata_server,
+    )
+    protocol: str = setting(
+        "Transfer protocol: 'tcp' (any host) or 'rdma' (needs an RDMA NIC and the RDMA wheel).",
+        default="tcp",
+        validator=one_of("tcp", "rdma"),
+    )
+    device: str = setting(
+        "RDMA device names, comma-separated (e.g. 'mlx5_0'); '' with tcp.",
+        default="",
+        validator=instance_of(str),
+    )
+    local_hostname: str | None = setting(
+        "The address other hosts reach this one at. null: the address of the interface that "
+        "routes to the master (never a loopback address unless the master is on loopback).",
+        default=None,
+        validator=optional(non_empty_str),
+    )
+    global_segment_gb: float = setting(
+        "GiB of this process's DRAM given to the cluster's pool (other hosts' blocks may "
+        "land in it). 0: contribute none and only use the others' (a pure client).",
+        default=1.0,
+        validator=non_negative_number,
+    )
+    local_buffer_mb: float = setting(
+        "MiB of registered memory the Mooncake client keeps for its own transfers.",
+        default=16.0,
+        validator=positive_number,
+    )
+    replicas: int = setting(
+        "Copies of each block, on distinct segments.", default=1, validator=int_in_range(1, 16)
+    )
+    key_prefix: str = setting(
+        "Prepended to every object key, so that deployments sharing one cluster stay apart.",
+        default="ucm/",
+        validator=_key_prefix,
+    )
+    timeout_s: float = setting(
+        "Seconds a lookup waits for the master before it answers miss and the master is "
+        "taken as down (then lookups miss and dumps are dropped at once, until the "
+        "background probe hears from it again); also how long start-up waits for it.",
+        default=2.0,
+        validator=positive_number,
+    )
+    probe_interval_s: float = setting(
+        "Seconds between probes of a master that is down.",
+        default=0.5,
+        validator=positive_number,
+    )
+    io_threads: int = setting(
+        "Threads issuing transfers (each moves a batch of up to 16 blocks at a time).",
+        default=4,
+        validator=int_in_range(1, 64),
+    )
+
+    @property
+    def master_host_port(self) -> tuple[str, int]:
+        parsed = _parse_host_port(self.master)
+        assert parsed is not None  # validated
+        return parsed
+
+    @property
+    def global_segment_bytes(self) -> int:
+        return int(self.global_segment_gb * GIB)
+
+    @property
+    def local_buffer_bytes(self) -> int:
+        return int(self.local_buffer_mb * (1 << 20))
+
+
 def _parse_dram(value: object, where: str) -> DramStoreConfig:
     data = dict(value) if isinstance(value, Mapping) else value
     if isinstance(data, dict):
@@ -272,7 +409,9 @@ def _parse_dram(value: object, where: str) -> DramStoreConfig:
     return from_dict(DramStoreConfig, data, where)
 
 
-def _parse_backing(value: object, where: str) -> PosixStoreConfig | DramStoreConfig:
+def _parse_backing(
+    value: object, where: str
+) -> PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig:
     config = parse_store_config(value, where)
     if isinstance(config, TieredStoreConfig):
         raise ConfigError(f"{where}.kind", "a tiered store cannot back another tiered store")
@@ -290,27 +429,32 @@ class TieredStoreConfig:
         validator=instance_of(DramStoreConfig),
         metadata={"parse": _parse_dram},
     )
-    backing: PosixStoreConfig | DramStoreConfig = setting(
-        "The store under the DRAM tier (the settings of a posix store, with its kind).",
+    backing: PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig = setting(
+        "The store under the DRAM tier (the settings of a posix, dram or mooncake store, "
+        "with its kind; posix when the kind is left out).",
         factory=PosixStoreConfig,
-        validator=instance_of((PosixStoreConfig, DramStoreConfig)),
+        validator=instance_of((PosixStoreConfig, DramStoreConfig, MooncakeStoreConfig)),
         metadata={"parse": _parse_backing},
     )
 
 
-StoreConfig = PosixStoreConfig | DramStoreConfig | TieredStoreConfig
-STORE_KINDS: dict[str, type[PosixStoreConfig | DramStoreConfig | TieredStoreConfig]] = {
+StoreConfig = PosixStoreConfig | DramStoreConfig | TieredStoreConfig | MooncakeStoreConfig
+STORE_KINDS: dict[str, type[StoreConfig]] = {
     "posix": PosixStoreConfig,
     "dram": DramStoreConfig,
     "tiered": TieredStoreConfig,
+    "mooncake": MooncakeStoreConfig,
 }
 
 
 def parse_store_config(data: object, where: str = "store") -> StoreConfig:
-    """The ``store`` dict: ``{"kind": "posix"|"dram"|"tiered", ...}`` (kind defaults to posix)."""
+    """The ``store`` dict: ``{"kind": "posix"|"dram"|"tiered"|"mooncake", ...}`` (kind
+    defaults to posix)."""
     if data is None:
         return PosixStoreConfig()
-    if isinstance(data, (PosixStoreConfig, DramStoreConfig, TieredStoreConfig)):
+    if isinstance(
+        data, (PosixStoreConfig, DramStoreConfig, TieredStoreConfig, MooncakeStoreConfig)
+    ):
         return data
     if not isinstance(data, Mapping):
         raise ConfigError(where, f"expected a mapping of settings, got {type(data).__name__}")
@@ -326,13 +470,13 @@ def _is_store(_inst: object, attribute: attrs.Attribute[Any], value: object) -> 
     parse_store_config(value, attribute.name)
 
 
-_is_store.allowed = "the settings of a posix, dram or tiered store (above)"  # type: ignore[attr-defined]
+_is_store.allowed = "the settings of a posix, dram, tiered or mooncake store (above)"  # type: ignore[attr-defined]
 
 
 def store_setting() -> Any:
     """The ``store`` field, for an engine adapter's settings class to reuse."""
     return setting(
-        "The store: a dict with ``kind`` (posix, dram, tiered) and its settings.",
+        "The store: a dict with ``kind`` (posix, dram, tiered, mooncake) and its settings.",
         factory=PosixStoreConfig,
         validator=_is_store,
         metadata={"parse": parse_store_config},
@@ -376,5 +520,6 @@ DOCUMENTED_CLASSES: list[tuple[str, type]] = [
     ("store (kind: posix)", PosixStoreConfig),
     ("store (kind: dram)", DramStoreConfig),
     ("store (kind: tiered)", TieredStoreConfig),
+    ("store (kind: mooncake)", MooncakeStoreConfig),
     ("Hybrid models", HybridSettings),
 ]

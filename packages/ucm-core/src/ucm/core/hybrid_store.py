@@ -14,12 +14,14 @@ import math
 import os
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 import attrs
 from ucm.core.config import (
     ConfigError,
     DramStoreConfig,
     HybridSettings,
+    MooncakeStoreConfig,
     PosixStoreConfig,
     StoreConfig,
     TieredStoreConfig,
@@ -147,13 +149,42 @@ def _split_dram(
     return attrs.evolve(config, capacity_gb=fa_gb), attrs.evolve(config, capacity_gb=wa_gb)
 
 
+def _split_mooncake(
+    config: MooncakeStoreConfig, wa_fraction: float
+) -> tuple[MooncakeStoreConfig, MooncakeStoreConfig]:
+    # Mooncake evicts over the whole pool, so the split is by key prefix; the segment this
+    # process gives the pool is split like a capacity (0 stays 0: a pure client).
+    fa_gb, wa_gb = (0.0, 0.0)
+    if config.global_segment_gb:
+        fa_gb, wa_gb = _split_gb(config.global_segment_gb, wa_fraction)
+    return (
+        attrs.evolve(
+            config, key_prefix=f"{config.key_prefix}{FA_SUBDIR}/", global_segment_gb=fa_gb
+        ),
+        attrs.evolve(
+            config, key_prefix=f"{config.key_prefix}{WA_SUBDIR}/", global_segment_gb=wa_gb
+        ),
+    )
+
+
+def _split_backing(
+    config: PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig, wa_fraction: float
+) -> tuple[Any, Any]:
+    if isinstance(config, PosixStoreConfig):
+        return _split_posix(config, wa_fraction)
+    if isinstance(config, MooncakeStoreConfig):
+        return _split_mooncake(config, wa_fraction)
+    return _split_dram(config, wa_fraction)
+
+
 def split_store_config(
     config: StoreConfig, wa_fraction: float = 0.5
 ) -> tuple[StoreConfig, StoreConfig]:
     """The (full-attention, window) store configurations made from one.
 
     posix: subdirectories ``fa`` and ``wa`` of its path, the capacity split (no limit stays no
-    limit); dram: the capacity split; tiered: both tiers split.  The two capacities never add
+    limit); dram: the capacity split; mooncake: key prefixes ``fa/`` and ``wa/``, the segment
+    split; tiered: both tiers split.  The two capacities never add
     up to more than the original.  ``wa_fraction`` is the window store's share, in (0, 1).
     """
     if (
@@ -166,16 +197,11 @@ def split_store_config(
         )
     if isinstance(config, PosixStoreConfig):
         return _split_posix(config, wa_fraction)
-    if isinstance(config, DramStoreConfig):
-        return _split_dram(config, wa_fraction)
+    if isinstance(config, (DramStoreConfig, MooncakeStoreConfig)):
+        return _split_backing(config, wa_fraction)
     if isinstance(config, TieredStoreConfig):
         fa_dram, wa_dram = _split_dram(config.dram, wa_fraction)
-        fa_back: PosixStoreConfig | DramStoreConfig
-        wa_back: PosixStoreConfig | DramStoreConfig
-        if isinstance(config.backing, PosixStoreConfig):
-            fa_back, wa_back = _split_posix(config.backing, wa_fraction)
-        else:
-            fa_back, wa_back = _split_dram(config.backing, wa_fraction)
+        fa_back, wa_back = _split_backing(config.backing, wa_fraction)
         return (
             attrs.evolve(config, dram=fa_dram, backing=fa_back),
             attrs.evolve(config, dram=wa_dram, backing=wa_back),

@@ -7,6 +7,7 @@ from typing import Any
 
 from ucm.core.config import (
     DramStoreConfig,
+    MooncakeStoreConfig,
     PosixStoreConfig,
     StoreConfig,
     TieredStoreConfig,
@@ -26,6 +27,10 @@ def create_store(config: StoreConfig | Mapping[str, Any] | None = None) -> Store
         return PosixStore(config)
     if isinstance(config, DramStoreConfig):
         return DramStore(config)
+    if isinstance(config, MooncakeStoreConfig):
+        from ucm.core.store.mooncake import MooncakeStore  # imports Mooncake's client
+
+        return MooncakeStore(config)
     if isinstance(config, TieredStoreConfig):
         backing = create_store(config.backing)
         return TieredStore(DramStore(config.dram), backing)

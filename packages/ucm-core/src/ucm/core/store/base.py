@@ -127,20 +127,29 @@ class Task:
         """Run ``work()`` for key ``index`` and record its result, or record ``CANCELLED``
         without running it once the task is cancelled.  An exception is an ``ERROR``
         result: a bug in one key must not leave the task hanging."""
+        self.run_keys((index,), lambda: (work(),))
+
+    def run_keys(self, indices: Sequence[int], work: Callable[[], Sequence[KeyResult]]) -> None:
+        """:meth:`run_key` for several keys moved by one call (``work()`` returns their
+        results in order)."""
         with self._lock:
             start = not self._cancelled
             if start:
                 self._busy += 1
         if not start:
-            self.set_result(index, CANCELLED)
+            for index in indices:
+                self.set_result(index, CANCELLED)
             return
         try:
             try:
-                result = work()
+                results = work()
+                if len(results) != len(indices):
+                    raise RuntimeError(f"{len(results)} results for {len(indices)} keys")
             except Exception as exc:
                 log.exception("ucm store: unexpected failure")
-                result = KeyResult(Status.ERROR, f"unexpected: {exc!r}")
-            self.set_result(index, result)  # callbacks run here, still counted as busy
+                results = [KeyResult(Status.ERROR, f"unexpected: {exc!r}")] * len(indices)
+            for index, result in zip(indices, results):
+                self.set_result(index, result)  # callbacks run here, still counted as busy
         finally:
             with self._lock:
                 self._busy -= 1
@@ -382,6 +391,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def usage(self) -> StoreUsage: ...
+
+    def check_block_bytes(self, nbytes: int) -> None:  # noqa: B027 - most stores take any size
+        """Refuse, with a ``ConfigError`` naming the setting, a store that could never hold a
+        block of ``nbytes``: adapters call this at start-up, once they know their block size,
+        so that a setting that cannot hit is an error rather than a silent miss."""
 
     def close(self) -> None:  # noqa: B027 - stores without resources need nothing
         """Finish queued work and release resources."""

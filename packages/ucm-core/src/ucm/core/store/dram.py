@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ucm.core.config import DramStoreConfig
+from ucm.core.config import ConfigError, DramStoreConfig
 from ucm.core.store.base import (
     MISS,
     OK,
@@ -178,6 +178,13 @@ class DramStore(Store):
                     self._arena.release(entry[1])
                     removed += 1
         return removed
+
+    def check_block_bytes(self, nbytes: int) -> None:
+        if self._capacity < nbytes:
+            raise ConfigError(
+                "store.capacity_gb",
+                f"{self.config.capacity_gb} GiB cannot hold one block of {nbytes} bytes",
+            )
 
     def usage(self) -> StoreUsage:
         with self._lock:

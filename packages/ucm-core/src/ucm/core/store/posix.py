@@ -46,7 +46,7 @@ from ucm.core.block_format import (
     payload_checksum,
     verify_payload,
 )
-from ucm.core.config import PosixStoreConfig
+from ucm.core.config import ConfigError, PosixStoreConfig
 from ucm.core.store.base import (
     CANCELLED,
     MISS,
@@ -657,6 +657,14 @@ class PosixStore(Store):
     @property
     def errors(self) -> int:
         return self._errors
+
+    def check_block_bytes(self, nbytes: int) -> None:
+        stored = HEADER_BYTES + nbytes
+        if self._capacity is not None and self._capacity < stored:
+            raise ConfigError(
+                "store.capacity_gb",
+                f"{self.config.capacity_gb} GiB cannot hold one block of {stored} bytes",
+            )
 
     def close(self) -> None:
         if not self._closed:

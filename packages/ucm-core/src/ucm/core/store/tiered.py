@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ucm.core.config import ConfigError
 from ucm.core.store.base import Store, StoreUsage, Task, check_batch, check_keys
 from ucm.core.store.dram import DramStore
 
@@ -72,6 +73,16 @@ class TieredStore(Store):
         below = self.backing.lookup(keys)
         self.backing.remove(keys)
         return sum(a or b for a, b in zip(in_dram, below))
+
+    def check_block_bytes(self, nbytes: int) -> None:
+        try:
+            self.dram.check_block_bytes(nbytes)
+        except ConfigError as exc:
+            raise ConfigError(exc.key.replace("store.", "store.dram.", 1), exc.problem) from None
+        try:
+            self.backing.check_block_bytes(nbytes)
+        except ConfigError as exc:
+            raise ConfigError(exc.key.replace("store.", "store.backing.", 1), exc.problem) from None
 
     def usage(self) -> StoreUsage:
         """The backing store's usage: the DRAM tier only caches what it holds."""

@@ -1,0 +1,629 @@
+"""The mooncake store: blocks in a Mooncake Store cluster, shared by every host on it.
+
+Each block is one Mooncake object, ``key_prefix + key.hex()``, holding the same bytes a
+posix block file holds (the header page, then the payload), so every load verifies the
+key, the layout and the payload checksum: a foreign, truncated or corrupted object is a
+miss, never data.  Values move with ``batch_put_from_multi_buffers`` and
+``batch_get_into_multi_buffers`` straight between the caller's buffers and the cluster: no
+Python bytes and no staging copy on the data path.
+
+A Mooncake client whose master is gone blocks every call for seconds (about 4 s each with
+0.3.13) and a client set up while it is gone retries for 90 s.  An engine must not pay that
+on every request, so :class:`MasterLink` keeps the client and whether its master answers:
+after the first failure, lookups answer miss and dumps are dropped (counted) at once, with
+no call made, until a background probe hears from the master again.  A master restarted
+with empty metadata is used again as soon as it answers (the client re-registers itself);
+the blocks it held are gone and read as misses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from ucm.core.block_format import (
+    HEADER_BYTES,
+    BlockFormatError,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+from ucm.core.config import ConfigError, MooncakeStoreConfig
+from ucm.core.store.base import (
+    KeyResult,
+    Payload,
+    Status,
+    Store,
+    StoreUsage,
+    Task,
+    check_batch,
+    check_keys,
+)
+
+log = logging.getLogger(__name__)
+
+#: Keys moved by one Mooncake call: large enough to amortize the master's round trip,
+#: small enough that a cancelled task stops soon and results arrive as blocks land.
+BATCH_KEYS = 16
+
+# Mooncake's error codes (mooncake-store/include/types.h) that this store tells apart.
+NO_AVAILABLE_HANDLE = -200  # the pool is full
+INVALID_PARAMS = -600  # on a get: the buffers are smaller than the object
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800  # a segment's owner did not answer, or the buffers exceed the object
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+#: Codes meaning the master did not answer: the link goes down.
+MASTER_DOWN = frozenset({RPC_FAIL, RPC_TIMEOUT, -1010, -1011})
+
+_UNREACHABLE = "mooncake master unreachable"
+
+
+class MasterLink:
+    """The Mooncake client, and whether its master answers.
+
+    ``client`` is the set-up client while the master answers, else ``None``: callers then
+    skip the call.  :meth:`failed` takes the master as down; a background thread sets the
+    client up (start-up) or probes it (after a failure) every ``probe_interval_s`` until the
+    master answers, and logs each change once."""
+
+    def __init__(self, config: MooncakeStoreConfig, make_client: Callable[[], Any]) -> None:
+        self.config = config
+        self._make_client = make_client
+        self._client: Any = None  # set up (not necessarily up)
+        self._up = False
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        self._closed = False
+        self._ever_up = False
+        self.failures = 0  # times the master was taken as down
+        self._thread = threading.Thread(target=self._run, name="ucm-mooncake-link", daemon=True)
+        self._thread.start()
+
+    @property
+    def client(self) -> Any:
+        return self._client if self._up else None
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def wait_up(self, timeout: float) -> bool:
+        """Wait until the master answers; whether it does."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._up and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self._up
+
+    def failed(self, what: str) -> None:
+        """A call found the master unreachable: answer without it until it is back."""
+        with self._lock:
+            if not self._up:
+                return
+            self._up = False
+            self.failures += 1
+            self._changed.notify_all()
+        log.warning(
+            "ucm mooncake store: master %s unreachable (%s); lookups miss and dumps are "
+            "dropped until it answers again",
+            self.config.master,
+            what,
+        )
+        self._wake.set()
+
+    def _set_up(self) -> None:
+        with self._lock:
+            self._up = True
+            first = not self._ever_up
+            self._ever_up = True
+            self._changed.notify_all()
+        if first:
+            log.info("ucm mooncake store: connected to master %s", self.config.master)
+        else:
+            log.warning("ucm mooncake store: master %s answers again", self.config.master)
+
+    def _run(self) -> None:
+        reported = False
+        while not self._closed:
+            if self._client is None:
+                client = self._connect()
+                if client is None:
+                    if not reported:
+                        reported = True
+                        log.warning(
+                            "ucm mooncake store: master %s does not answer; serving without "
+                            "this store until it does",
+                            self.config.master,
+                        )
+                    self._sleep()
+                    continue
+                self._client = client
+                self._set_up()
+            elif self._up:
+                self._wake.wait()
+                self._wake.clear()
+            elif self._answers(self._client):
+                self._set_up()
+            else:
+                self._sleep()
+
+    def _sleep(self) -> None:
+        self._wake.wait(self.config.probe_interval_s)
+        self._wake.clear()
+
+    def _connect(self) -> Any:
+        config = self.config
+        host, port = config.master_host_port
+        # Mooncake's setup() holds the GIL while it retries a master that does not answer
+        # (90 s with 0.3.13), freezing every thread of the engine: knock first.
+        if not _accepts(host, port, min(1.0, config.timeout_s)):
+            return None
+        client = self._make_client()
+        code = client.setup(
+            config.local_hostname or local_address(host, port),
+            config.metadata_server,
+            config.global_segment_bytes,
+            config.local_buffer_bytes,
+            config.protocol,
+            config.device,
+            config.master,
+        )
+        if code != 0:
+            _ABANDONED.append(client)
+            return None
+        return client
+
+    @staticmethod
+    def _answers(client: Any) -> bool:
+        # health_check() alone reports the state of the client's last heartbeat, which
+        # still says healthy just after the master died: ask the master something as well.
+        if client.health_check() != 0:
+            return False
+        found = client.batch_is_exist(["ucm-probe"])
+        return bool(found) and found[0] >= 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            up = self._up
+            self._up = False
+            self._changed.notify_all()
+        self._wake.set()
+        if self._client is None:
+            return
+        if up:
+            self._client.close()  # unmounts this process's segment: its blocks leave the pool
+        else:
+            # With its master gone, close() retries unmounting for about 13 s holding the
+            # GIL; there is nothing to unmount from a dead master, so leave the client be.
+            _ABANDONED.append(self._client)
+
+
+#: Clients of a dead master, kept referenced so that no destructor closes them meanwhile.
+_ABANDONED: list[Any] = []
+
+
+def _accepts(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def local_address(host: str, port: int) -> str:
+    """This host's address on the route to ``host``: what other clients reach it at."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # UDP: picks the route, sends nothing
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+
+
+def address(view: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (read-only ones too)."""
+    info = _PyBuffer()
+    _get_buffer(view, ctypes.byref(info), 0)  # PyBUF_SIMPLE
+    try:
+        return int(info.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(info))
+
+
+def _ranges(views: Sequence[memoryview]) -> tuple[list[int], list[int]]:
+    """Addresses and sizes of the non-empty views (Mooncake refuses empty buffers)."""
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    for view in views:
+        if view.nbytes:
+            ptrs.append(address(view))
+            sizes.append(view.nbytes)
+    return ptrs, sizes
+
+
+class MooncakeStore(Store):
+    def __init__(
+        self,
+        config: MooncakeStoreConfig | None = None,
+        *,
+        make_client: Callable[[], Any] | None = None,
+    ) -> None:
+        self.config = config or MooncakeStoreConfig()
+        if make_client is None:
+            make_client = _mooncake_client_class()
+        self._link = MasterLink(self.config, make_client)
+        self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="ucm-mooncake")
+        # Lookups run here so that one can be given up on after timeout_s.
+        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="ucm-mooncake-lookup")
+        self._lock = threading.Lock()
+        self._errors = 0
+        self.dropped = 0  # keys not dumped, or answered miss, because the master was down
+        self._put_blocks = 0
+        self._put_bytes = 0
+        self._closed = False
+        self._replicate: Any = None
+        self._link.wait_up(self.config.timeout_s)
+
+    # -- the link --
+
+    @property
+    def connected(self) -> bool:
+        """Whether the master answers (as of the last call or probe)."""
+        return self._link.up
+
+    @property
+    def master_failures(self) -> int:
+        """Times the master was found unreachable."""
+        return self._link.failures
+
+    @property
+    def errors(self) -> int:
+        return self._errors
+
+    def _name(self, key: bytes) -> str:
+        return self.config.key_prefix + bytes(key).hex()
+
+    def _count(self, errors: int = 0, dropped: int = 0) -> None:
+        with self._lock:
+            self._errors += errors
+            self.dropped += dropped
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the mooncake store is closed")
+
+    def _submit(self, task: Task, work: Callable[[Any, Sequence[int]], list[KeyResult]]) -> Task:
+        for start in range(0, len(task), BATCH_KEYS):
+            indices = range(start, min(start + BATCH_KEYS, len(task)))
+            self._pool.submit(task.run_keys, indices, functools.partial(self._moved, work, indices))
+        return task
+
+    def _moved(
+        self, work: Callable[[Any, Sequence[int]], list[KeyResult]], indices: Sequence[int]
+    ) -> list[KeyResult]:
+        client = self._link.client
+        if client is None:
+            self._count(dropped=len(indices))
+            return [KeyResult(Status.ERROR, _UNREACHABLE)] * len(indices)
+        return work(client, indices)
+
+    def _master_down(self, codes: Sequence[int], what: str) -> bool:
+        down = next((c for c in codes if c in MASTER_DOWN), None)
+        if down is not None:
+            self._link.failed(f"{what} answered {down}")
+        return down is not None
+
+    # -- dump --
+
+    def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
+        self._check_open()
+        payloads = check_batch(keys, buffers, writable=False)
+        if self._link.client is None:
+            self._count(dropped=len(keys))
+            return Task.completed([KeyResult(Status.ERROR, _UNREACHABLE)] * len(keys))
+
+        def work(client: Any, indices: Sequence[int]) -> list[KeyResult]:
+            return self._put(
+                client, [bytes(keys[i]) for i in indices], [payloads[i] for i in indices], layout
+            )
+
+        return self._submit(Task(len(keys)), work)
+
+    def _put(
+        self, client: Any, keys: list[bytes], payloads: list[Payload], layout: bytes
+    ) -> list[KeyResult]:
+        results: list[KeyResult | None] = [None] * len(keys)
+        names: list[str] = []
+        all_ptrs: list[list[int]] = []
+        all_sizes: list[list[int]] = []
+        headers: list[bytearray] = []  # kept alive until the call returns
+        where: list[int] = []
+        for i, (key, payload) in enumerate(zip(keys, payloads)):
+            try:
+                parts = payload.parts
+                header = bytearray(encode_header(key, parts, layout))
+            except (TypeError, ValueError) as exc:
+                results[i] = KeyResult(Status.ERROR, str(exc))
+                continue
+            headers.append(header)
+            ptrs, sizes = _ranges((memoryview(header), *parts))
+            names.append(self._name(key))
+            all_ptrs.append(ptrs)
+            all_sizes.append(sizes)
+            where.append(i)
+        if names:
+            codes = client.batch_put_from_multi_buffers(
+                names, all_ptrs, all_sizes, self._replicate_config()
+            )
+            down = self._master_down(codes, "a put")
+            for i, code in zip(where, codes):
+                results[i] = self._put_result(code, payloads[i].nbytes, down)
+        return [r if r is not None else KeyResult(Status.ERROR, "not moved") for r in results]
+
+    def _put_result(self, code: int, nbytes: int, down: bool) -> KeyResult:
+        if code == 0 or code == OBJECT_ALREADY_EXISTS:
+            if code == 0:
+                with self._lock:
+                    self._put_blocks += 1
+                    self._put_bytes += HEADER_BYTES + nbytes
+            return KeyResult(Status.OK)
+        if down:
+            self._count(dropped=1)
+            return KeyResult(Status.ERROR, _UNREACHABLE)
+        self._count(errors=1)
+        if code == NO_AVAILABLE_HANDLE:
+            return KeyResult(Status.ERROR, "the mooncake pool is full (no segment has room)")
+        return KeyResult(Status.ERROR, f"mooncake put failed with code {code}")
+
+    def _replicate_config(self) -> Any:
+        if self._replicate is None:
+            from mooncake.store import ReplicateConfig  # type: ignore[import-untyped]
+
+            replicate = ReplicateConfig()
+            replicate.replica_num = self.config.replicas
+            self._replicate = replicate
+        return self._replicate
+
+    # -- load --
+
+    def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
+        self._check_open()
+        payloads = check_batch(keys, buffers, writable=True)
+        if self._link.client is None:
+            self._count(dropped=len(keys))
+            return Task.completed([KeyResult(Status.MISS, _UNREACHABLE)] * len(keys))
+
+        def work(client: Any, indices: Sequence[int]) -> list[KeyResult]:
+            return self._get(
+                client, [bytes(keys[i]) for i in indices], [payloads[i] for i in indices], layout
+            )
+
+        return self._submit(Task(len(keys)), work)
+
+    def _get(
+        self, client: Any, keys: list[bytes], payloads: list[Payload], layout: bytes
+    ) -> list[KeyResult]:
+        results: list[KeyResult | None] = [None] * len(keys)
+        pages = bytearray(HEADER_BYTES * len(keys))
+        page_views = [
+            memoryview(pages)[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(len(keys))
+        ]
+        names: list[str] = []
+        all_ptrs: list[list[int]] = []
+        all_sizes: list[list[int]] = []
+        where: list[int] = []
+        part_lists: dict[int, tuple[memoryview, ...]] = {}
+        for i, (key, payload) in enumerate(zip(keys, payloads)):
+            try:
+                parts = payload.parts
+            except (TypeError, ValueError) as exc:
+                results[i] = KeyResult(Status.ERROR, str(exc))
+                continue
+            part_lists[i] = parts
+            ptrs, sizes = _ranges((page_views[i], *parts))
+            names.append(self._name(key))
+            all_ptrs.append(ptrs)
+            all_sizes.append(sizes)
+            where.append(i)
+        if names:
+            codes = client.batch_get_into_multi_buffers(names, all_ptrs, all_sizes)
+            down = self._master_down(codes, "a get")
+            for i, code in zip(where, codes):
+                results[i] = self._get_result(
+                    client, keys[i], code, page_views[i], part_lists[i], payloads[i], layout, down
+                )
+        return [r if r is not None else KeyResult(Status.ERROR, "not moved") for r in results]
+
+    def _get_result(
+        self,
+        client: Any,
+        key: bytes,
+        code: int,
+        page: memoryview,
+        parts: tuple[memoryview, ...],
+        payload: Payload,
+        layout: bytes,
+        down: bool,
+    ) -> KeyResult:
+        if code == OBJECT_NOT_FOUND:
+            return KeyResult(Status.MISS)
+        if code < 0:
+            if down:
+                self._count(dropped=1)
+                return KeyResult(Status.MISS, _UNREACHABLE)
+            self._count(errors=1)
+            if code in (INVALID_PARAMS, TRANSFER_FAIL):  # the buffers may not fit the object
+                return self._not_fitting(client, key, payload.nbytes)
+            # Most often the segment holding the block is gone with its host: a miss.
+            return KeyResult(Status.MISS, f"mooncake get failed with code {code}")
+        try:
+            if code < HEADER_BYTES:
+                raise BlockFormatError(
+                    f"object truncated: {code} bytes, header alone is {HEADER_BYTES}"
+                )
+            header = decode_header(page, expect_key=key)
+            if header.payload_len != payload.nbytes:
+                self._count(errors=1)
+                return KeyResult(
+                    Status.ERROR,
+                    f"buffer is {payload.nbytes} bytes but the stored block holds "
+                    f"{header.payload_len}",
+                )
+            if code != HEADER_BYTES + header.payload_len:
+                raise BlockFormatError(
+                    f"object is {code} bytes, its header says {HEADER_BYTES + header.payload_len}"
+                )
+            if header.layout != layout:
+                self._count(errors=1)
+                return KeyResult(
+                    Status.ERROR, f"stored block has layout {header.layout!r}, asked for {layout!r}"
+                )
+            verify_payload(header, parts)
+        except BlockFormatError as exc:
+            self._count(errors=1)
+            return self._corrupt(client, key, exc)
+        return KeyResult(Status.OK)
+
+    def _not_fitting(self, client: Any, key: bytes, nbytes: int) -> KeyResult:
+        """A get whose buffers do not add up to the object: the caller asked for the wrong
+        size (an error), or the object is not a whole block (corrupt), or it is unreadable
+        (its segment is gone: a miss).  Rare, so the object is read whole to tell which."""
+        name = self._name(key)
+        size = client.get_size(name)
+        if size < 0:
+            return KeyResult(Status.MISS, f"mooncake get_size failed with code {size}")
+        whole = bytearray(size)
+        got = client.get_into(name, address(memoryview(whole)), size) if size else 0
+        if got != size:
+            return KeyResult(Status.MISS, f"mooncake get failed with code {got}")
+        try:
+            if size < HEADER_BYTES:
+                raise BlockFormatError(f"object truncated: {size} bytes")
+            header = decode_header(memoryview(whole)[:HEADER_BYTES], expect_key=key)
+            if header.payload_len == nbytes:
+                raise BlockFormatError(
+                    f"object truncated: {size} bytes, its header says "
+                    f"{HEADER_BYTES + header.payload_len}"
+                )
+        except BlockFormatError as exc:
+            return self._corrupt(client, key, exc)
+        return KeyResult(
+            Status.ERROR,
+            f"buffer is {nbytes} bytes but the stored block holds {header.payload_len}",
+        )
+
+    def _corrupt(self, client: Any, key: bytes, exc: BlockFormatError) -> KeyResult:
+        client.batch_remove([self._name(key)], True)
+        log.warning("ucm mooncake store: block %s is corrupt (%s); removed", key.hex(), exc)
+        return KeyResult(Status.CORRUPT, str(exc))
+
+    # -- the rest --
+
+    def _ask(self, call: Callable[[Any], list[int]], what: str) -> list[int] | None:
+        """``call(client)`` answered within ``timeout_s``, or ``None`` (master taken as down)."""
+        client = self._link.client
+        if client is None:
+            return None
+        future: Future[list[int]] = self._lookups.submit(call, client)
+        try:
+            codes = future.result(self.config.timeout_s)
+        except FutureTimeout:
+            self._link.failed(f"{what} got no answer in {self.config.timeout_s} s")
+            return None
+        if self._master_down(codes, what):
+            return None
+        return codes
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open()
+        check_keys(keys)
+        if not keys:
+            return []
+        names = [self._name(k) for k in keys]
+        found = self._ask(lambda client: client.batch_is_exist(names), "a lookup")
+        if found is None:
+            self._count(dropped=len(keys))
+            return [False] * len(keys)
+        return [code == 1 for code in found]
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        check_keys(keys)
+        if not keys:
+            return 0
+        names = [self._name(k) for k in keys]
+        codes = self._ask(lambda client: client.batch_remove(names, True), "a remove")
+        return 0 if codes is None else sum(code == 0 for code in codes)
+
+    def usage(self) -> StoreUsage:
+        """What this client put (the cluster's own totals are the master's metrics), and the
+        memory this client gives the pool."""
+        with self._lock:
+            return StoreUsage(self._put_blocks, self._put_bytes, self.config.global_segment_bytes)
+
+    def check_block_bytes(self, nbytes: int) -> None:
+        stored = HEADER_BYTES + nbytes
+        segment = self.config.global_segment_bytes
+        if 0 < segment < stored:
+            raise ConfigError(
+                "store.global_segment_gb",
+                f"{self.config.global_segment_gb} GiB cannot hold one block of {stored} bytes",
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._lookups.shutdown(wait=False)
+        self._link.close()
+
+
+def _mooncake_client_class() -> Callable[[], Any]:
+    try:
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise ConfigError(
+            "store.kind",
+            "the mooncake store needs Mooncake's client: pip install 'ucm-core[mooncake]' "
+            f"(and apt-get install libibverbs1 on Debian/Ubuntu); import failed: {exc}",
+        ) from None
+    return MooncakeDistributedStore  # type: ignore[no-any-return]

@@ -1,0 +1,338 @@
+"""The mooncake store against a real ``mooncake_master``: what it does with objects it did
+not write, a full pool, hosts that leave, and a master that dies and comes back.
+
+The promises every store keeps are in test_store_contract.py."""
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+from core_helpers import blob, key, mooncake_available, mooncake_config
+from ucm.core.block_format import HEADER_BYTES, encode_header
+from ucm.core.config import ConfigError, MooncakeStoreConfig, parse_store_config
+from ucm.core.store import Status
+
+pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+
+
+@pytest.fixture
+def store(mooncake_master):
+    from ucm.core.store.mooncake import MooncakeStore
+
+    s = MooncakeStore(mooncake_config(mooncake_master))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def raw(mooncake_master):
+    """Mooncake's own client on the same master, to write objects behind the store's back."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert (
+        client.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", mooncake_master.address
+        )
+        == 0
+    )
+    yield client
+    client.close()
+
+
+def put_raw(raw, name: str, data: bytes) -> None:
+    buf = np.frombuffer(bytearray(data), np.uint8)
+    assert raw.put_from(name, buf.ctypes.data, buf.nbytes) == 0
+
+
+# -- objects the store did not write are misses, never data ---------------------------------
+
+
+def test_foreign_truncated_and_corrupt_objects_are_misses(store, raw):
+    payload = blob(1, 10_000)
+
+    def block(k: bytes) -> bytes:
+        return encode_header(k, payload) + payload.tobytes()
+
+    flipped = bytearray(block(key(3)))
+    flipped[HEADER_BYTES + 5000] ^= 0x40
+    cases = {
+        key(1): b"not a ucm block".ljust(HEADER_BYTES + 10_000, b"\0"),  # foreign
+        key(2): block(key(2))[: HEADER_BYTES + 6000],  # truncated
+        key(3): bytes(flipped),  # a flipped bit in the payload
+        key(4): block(key(99)),  # a block stored under another key
+        key(5): block(key(5))[:100],  # not even a header
+    }
+    for k, data in cases.items():
+        put_raw(raw, store.config.key_prefix + k.hex(), data)
+    assert store.lookup(list(cases)) == [True] * 5
+    out = [np.zeros(10_000, np.uint8) for _ in cases]
+    results = store.wait(store.load(list(cases), out))
+    assert [r.status for r in results] == [Status.CORRUPT] * 5, results
+    assert store.lookup(list(cases)) == [False] * 5  # removed: the next lookup misses
+    assert store.errors == 5
+
+
+def test_a_block_written_by_another_client_is_read(store, raw):
+    payload = blob(5, 8192)
+    put_raw(
+        raw,
+        store.config.key_prefix + key(6).hex(),
+        encode_header(key(6), payload) + payload.tobytes(),
+    )
+    out = np.zeros_like(payload)
+    assert store.wait(store.load([key(6)], [out]))[0].ok
+    np.testing.assert_array_equal(out, payload)
+
+
+# -- a full pool is a counted write error, and the store serves on ----------------------------
+
+
+def test_a_full_pool_fails_writes_and_keeps_serving(mooncake_master):
+    from ucm.core.store.mooncake import MooncakeStore
+
+    # This test's own master: the session master's pool holds other tests' segments.
+    from ucm.core.store.mooncake_master import LocalMaster
+
+    with LocalMaster() as master:
+        store = MooncakeStore(mooncake_config(master, global_segment_gb=16 / 1024))
+        try:
+            size = 1 << 20
+            keys = [key(i, b"full") for i in range(40)]  # 40 MiB into a 16 MiB pool
+            results = []
+            for i in range(0, 40, 4):
+                results += store.wait(
+                    store.dump(keys[i : i + 4], [blob(j, size) for j in range(i, i + 4)]), 30
+                )
+            failed = [r for r in results if not r.ok]
+            assert failed and all(r.status is Status.ERROR for r in failed)
+            assert all("full" in r.detail or "code" in r.detail for r in failed), failed[0]
+            assert store.errors >= len(failed)
+            assert store.connected  # a full pool is not a dead master
+            # Whatever is stored loads intact; whatever was evicted or never stored misses.
+            out = [np.zeros(size, np.uint8) for _ in keys]
+            loaded = store.wait(store.load(keys, out), 30)
+            assert {r.status for r in loaded} <= {Status.OK, Status.MISS}
+            assert any(r.ok for r in loaded)
+            for i, r in enumerate(loaded):
+                if r.ok:
+                    np.testing.assert_array_equal(out[i], blob(i, size))
+        finally:
+            store.close()
+
+
+# -- hosts that leave ------------------------------------------------------------------------
+
+
+def _own_segment_and_dump(address: str, prefix: str, ready, die) -> None:
+    """Another host: gives the pool a segment, stores blocks in it, then dies or leaves."""
+    from ucm.core.store.mooncake import MooncakeStore
+
+    store = MooncakeStore(
+        MooncakeStoreConfig(master=address, global_segment_gb=0.0625, key_prefix=prefix)
+    )
+    results = store.wait(
+        store.dump([key(i) for i in range(8)], [blob(i, 100_000) for i in range(8)])
+    )
+    ready.put([r.ok for r in results])
+    if die.get() == "kill":
+        os._exit(0)  # no unmount: as a host that loses power
+    store.close()
+
+
+@pytest.mark.parametrize("how", ["close", "kill"])
+def test_blocks_of_a_host_that_left_are_misses(mooncake_master, how):
+    from ucm.core.store.mooncake import MooncakeStore
+
+    prefix = f"left-{how}/"
+    ctx = multiprocessing.get_context("spawn")
+    ready, die = ctx.Queue(), ctx.Queue()
+    other = ctx.Process(
+        target=_own_segment_and_dump, args=(mooncake_master.address, prefix, ready, die)
+    )
+    other.start()
+    # This client gives no memory, so every block lives in the other host's segment.
+    store = MooncakeStore(mooncake_config(mooncake_master, global_segment_gb=0, key_prefix=prefix))
+    try:
+        assert ready.get(timeout=60) == [True] * 8
+        keys = [key(i) for i in range(8)]
+        out = [np.zeros(100_000, np.uint8) for _ in keys]
+        assert all(r.ok for r in store.wait(store.load(keys, out), 30))
+        die.put(how)
+        other.join(30)
+        deadline = time.monotonic() + 60
+        while True:  # a killed host's segment goes when the master's client TTL runs out
+            started = time.monotonic()
+            results = store.wait(store.load(keys, [np.zeros(100_000, np.uint8) for _ in keys]), 30)
+            assert time.monotonic() - started < 10
+            assert {r.status for r in results} <= {Status.OK, Status.MISS}, results
+            if all(r.status is Status.MISS for r in results) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert all(r.status is Status.MISS for r in results), results
+    finally:
+        store.close()
+        if other.is_alive():
+            other.kill()
+
+
+# -- the master: absent at start-up, killed, restarted ------------------------------------------
+
+
+# A call that reaches a dead master blocks ~4.3 s (Mooncake 0.3.13); one that is answered
+# without it takes microseconds.  The bound sits far from both, so that a loaded CI machine
+# cannot fail it and a call that waits on the master cannot pass it.
+NO_WAIT = 0.5
+
+
+def _timed(call):
+    started = time.monotonic()
+    value = call()
+    return value, time.monotonic() - started
+
+
+def test_start_up_without_a_master_serves_then_connects(tmp_path):
+    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake_master import LocalMaster
+
+    master = LocalMaster(log_path=str(tmp_path / "master.log"))  # not started yet
+    config = mooncake_config(master, timeout_s=1.0)
+    store, took = _timed(lambda: MooncakeStore(config))
+    try:
+        assert took < 3 and not store.connected
+        keys = [key(i) for i in range(4)]
+        data = [blob(i, 50_000) for i in range(4)]
+        (found, took) = _timed(lambda: store.lookup(keys))
+        assert found == [False] * 4 and took < NO_WAIT
+        dumped, took = _timed(lambda: store.wait(store.dump(keys, data), 1))
+        assert all(r.status is Status.ERROR for r in dumped) and took < NO_WAIT
+        assert "unreachable" in dumped[0].detail
+        master.start()
+        deadline = time.monotonic() + 20  # Mooncake's set-up retries every ~4.4 s
+        while not store.connected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.connected
+        assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+        assert store.lookup(keys) == [True] * 4
+    finally:
+        store.close()
+        master.stop()
+
+
+def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
+    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake_master import LocalMaster
+
+    with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
+        store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
+        try:
+            keys = [key(i) for i in range(8)]
+            data = [blob(i, 50_000) for i in range(8)]
+            assert all(r.ok for r in store.wait(store.dump(keys[:4], data[:4]), 10))
+            master.kill()
+            # The first call finds out, within timeout_s at most.
+            found, took = _timed(lambda: store.lookup(keys))
+            assert found == [False] * 8 and took < 1.5
+            assert not store.connected and store.master_failures == 1
+            # From then on nothing waits on the dead master.
+            for _ in range(20):
+                found, took = _timed(lambda: store.lookup(keys))
+                assert found == [False] * 8 and took < NO_WAIT
+                loaded, took = _timed(
+                    lambda: store.wait(
+                        store.load(keys[:4], [np.zeros_like(d) for d in data[:4]]), 1
+                    )
+                )
+                assert all(r.status is Status.MISS for r in loaded) and took < NO_WAIT
+                dumped, took = _timed(lambda: store.wait(store.dump(keys[4:], data[4:]), 1))
+                assert all(r.status is Status.ERROR for r in dumped) and took < NO_WAIT
+            assert store.dropped >= 20 * 16
+            # A new master with empty metadata: dumps land again within 5 s, and hits resume.
+            master.start()
+            started = time.monotonic()
+            while time.monotonic() - started < 5:
+                # (the pool is empty until the clients have mounted their segments again)
+                dumped = store.wait(store.dump(keys[4:], data[4:]), 10)
+                if all(r.ok for r in dumped):
+                    break
+                time.sleep(0.1)
+            assert all(r.ok for r in dumped), dumped
+            print(f"dumps land {time.monotonic() - started:.2f} s after the restart")
+            assert store.connected
+            assert store.lookup(keys[:4]) == [False] * 4  # the old master's blocks are gone
+            assert all(r.ok for r in store.wait(store.dump(keys[:4], data[:4]), 10))
+            out = [np.zeros_like(d) for d in data]
+            assert all(r.ok for r in store.wait(store.load(keys, out), 10))
+            for got, want in zip(out, data):
+                np.testing.assert_array_equal(got, want)
+            assert store.master_failures == 1
+        finally:
+            store.close()
+
+
+def test_a_dump_in_flight_when_the_master_dies_settles(tmp_path):
+    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake_master import LocalMaster
+
+    with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
+        store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
+        try:
+            keys = [key(i, b"inflight") for i in range(64)]
+            task = store.dump(keys, [blob(i, 200_000) for i in range(64)])
+            master.kill()
+            results = store.wait(task, 30)  # every key settles: none hangs
+            assert {r.status for r in results} <= {Status.OK, Status.ERROR}
+        finally:
+            _, took = _timed(store.close)
+            assert took < 15
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("master", "localhost", "HOST:PORT"),
+        ("master", "10.0.0.1:0", "HOST:PORT"),
+        ("master", "10.0.0.1:99999", "HOST:PORT"),
+        ("metadata_server", "zookeeper://x:1", "P2PHANDSHAKE"),
+        ("protocol", "udp", "'tcp', 'rdma'"),
+        ("global_segment_gb", -1, ">= 0"),
+        ("local_buffer_mb", 0, "positive"),
+        ("replicas", 0, "[1, 16]"),
+        ("key_prefix", "has space", "no spaces"),
+        ("timeout_s", 0, "positive"),
+        ("io_threads", 0, "[1, 64]"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(setting, value, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse_store_config({"kind": "mooncake", setting: value})
+    assert caught.value.key == f"store.{setting}"
+
+
+def test_unknown_settings_are_refused():
+    with pytest.raises(ConfigError) as caught:
+        parse_store_config({"kind": "mooncake", "master_addr": "1.2.3.4:5"})
+    assert caught.value.key == "store.master_addr"
+    with pytest.raises(ConfigError) as caught:
+        parse_store_config({"kind": "tiered", "backing": {"kind": "mooncake", "segment": 1}})
+    assert caught.value.key == "store.backing.segment"
+
+
+def test_valid_settings():
+    config = parse_store_config(
+        {
+            "kind": "mooncake",
+            "master": "[fd00::1]:50051",
+            "metadata_server": "http://10.0.0.1:8080/metadata",
+            "global_segment_gb": 0,
+        }
+    )
+    assert isinstance(config, MooncakeStoreConfig)
+    assert config.master_host_port == ("fd00::1", 50051)
+    tiered = parse_store_config({"kind": "tiered", "backing": {"kind": "mooncake"}})
+    assert isinstance(tiered.backing, MooncakeStoreConfig)

@@ -1,0 +1,198 @@
+"""The promises every store kind keeps (base.Store): one suite over posix, dram, tiered,
+mooncake, and a tiered store over mooncake."""
+
+import threading
+
+import numpy as np
+import pytest
+from core_helpers import blob, key, mooncake_config
+from ucm.core.block_format import HEADER_BYTES
+from ucm.core.config import (
+    ConfigError,
+    DramStoreConfig,
+    PosixStoreConfig,
+    TieredStoreConfig,
+)
+from ucm.core.store import Status, create_store
+
+KINDS = ["posix", "dram", "tiered", "mooncake", "tiered-mooncake"]
+
+
+def store_config(kind, tmp_path, request, **posix):
+    if kind == "posix":
+        return PosixStoreConfig(path=str(tmp_path / "p"), **posix)
+    if kind == "dram":
+        return DramStoreConfig(capacity_gb=0.0625)
+    if kind == "tiered":
+        return TieredStoreConfig(
+            dram=DramStoreConfig(capacity_gb=0.0625),
+            backing=PosixStoreConfig(path=str(tmp_path / "t"), **posix),
+        )
+    master = request.getfixturevalue("mooncake_master")
+    if kind == "mooncake":
+        return mooncake_config(master)
+    return TieredStoreConfig(
+        dram=DramStoreConfig(capacity_gb=0.0625), backing=mooncake_config(master)
+    )
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture
+def store(kind, tmp_path, request):
+    s = create_store(store_config(kind, tmp_path, request))
+    yield s
+    s.close()
+
+
+def test_round_trip_lookup_and_prefix(store):
+    keys = [key(i) for i in range(40)]
+    data = [blob(i, 20_000 + i) for i in range(40)]
+    assert store.lookup(keys) == [False] * 40
+    assert store.lookup_prefix(keys) == 0
+    assert all(r.ok for r in store.wait(store.dump(keys[:30], data[:30]), 30))
+    assert store.lookup(keys) == [True] * 30 + [False] * 10
+    assert store.lookup_prefix(keys) == 30
+    assert store.lookup_prefix(keys[5:]) == 25
+    out = [np.zeros_like(d) for d in data[:30]]
+    assert all(r.ok for r in store.wait(store.load(keys[:30], out), 30))
+    for got, want in zip(out, data):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_parts_and_one_buffer_are_the_same_block(store):
+    data = blob(1, 300_000)
+    raw = data.tobytes()
+    parts = [bytearray(raw[:1]), bytearray(), bytearray(raw[1:70_001]), bytearray(raw[70_001:])]
+    assert store.wait(store.dump([key(1)], [parts]))[0].ok
+    assert store.wait(store.dump([key(2)], [data]))[0].ok
+    one = np.zeros_like(data)
+    assert store.wait(store.load([key(1)], [one]))[0].ok
+    np.testing.assert_array_equal(one, data)
+    pieces = [bytearray(100_000), bytearray(0), bytearray(200_000)]
+    assert store.wait(store.load([key(2)], [pieces]))[0].ok
+    assert b"".join(pieces) == raw
+
+
+def test_a_key_already_stored_is_kept(store):
+    first, second = blob(1, 50_000), blob(2, 50_000)
+    assert store.wait(store.dump([key(7)], [first]))[0].ok
+    assert store.wait(store.dump([key(7)], [second]))[0].ok  # idempotent: OK, not an error
+    out = np.zeros_like(first)
+    assert store.wait(store.load([key(7)], [out]))[0].ok
+    np.testing.assert_array_equal(out, first)
+
+
+def test_miss_wrong_size_wrong_layout(store):
+    data = blob(3, 40_000)
+    assert store.wait(store.dump([key(3)], [data], b"layout-a"))[0].ok
+    assert store.wait(store.load([key(99)], [np.zeros_like(data)], b"layout-a"))[0].status is (
+        Status.MISS
+    )
+    for size in (39_999, 40_001):
+        result = store.wait(store.load([key(3)], [np.zeros(size, np.uint8)], b"layout-a"))[0]
+        assert result.status is Status.ERROR, result
+        assert "40000" in result.detail
+    result = store.wait(store.load([key(3)], [np.zeros_like(data)], b"layout-b"))[0]
+    assert result.status is Status.ERROR and "layout" in result.detail
+    out = np.zeros_like(data)  # the block itself is fine: a right request still hits
+    assert store.wait(store.load([key(3)], [out], b"layout-a"))[0].ok
+    np.testing.assert_array_equal(out, data)
+
+
+def test_remove(store):
+    keys = [key(i) for i in range(4)]
+    assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, 1000) for i in range(4)])))
+    assert store.remove(keys[:2] + [key(50)]) == 2
+    assert store.lookup(keys) == [False, False, True, True]
+    result = store.wait(store.load(keys[:1], [np.zeros(1000, np.uint8)]))[0]
+    assert result.status is Status.MISS
+
+
+def test_bad_batches_are_refused_before_any_io(store):
+    with pytest.raises(ValueError, match="keys"):
+        store.dump([b"short"], [bytearray(10)])
+    with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+        store.load([key(1), key(2)], [bytearray(10)])
+    with pytest.raises(ValueError, match="read-only"):
+        store.load([key(1)], [bytes(10)])
+    with pytest.raises(TypeError, match="buffer protocol"):
+        store.dump([key(1)], [object()])
+    assert store.wait(store.dump([], [])) == []
+    assert store.lookup([]) == []
+
+
+def test_many_threads_at_once(store):
+    errors = []
+
+    def worker(t: int) -> None:
+        try:
+            for j in range(10):
+                k, data = key(j, bytes([t])), blob(t * 100 + j, 30_000)
+                assert store.wait(store.dump([k], [data]), 30)[0].ok
+                out = np.zeros_like(data)
+                assert store.wait(store.load([k], [out]), 30)[0].ok
+                np.testing.assert_array_equal(out, data)
+        except BaseException as exc:  # reported below, from the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+
+
+def test_a_cancelled_load_leaves_every_key_settled(store):
+    keys = [key(i) for i in range(64)]
+    assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, 64_000) for i in range(64)]), 30))
+    out = [np.zeros(64_000, np.uint8) for _ in keys]
+    task = store.load(keys, out)
+    assert task.cancel(wait=30)
+    results = store.wait(task, 30)
+    assert len(results) == 64
+    assert {r.status for r in results} <= {Status.OK, Status.CANCELLED}
+    for i, r in enumerate(results):
+        if r.ok:
+            np.testing.assert_array_equal(out[i], blob(i, 64_000))
+
+
+def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, request):
+    small = {
+        "posix": {"capacity_gb": 1.5 / 1024},
+        "dram": {"capacity_gb": 1.5 / 1024},
+        "mooncake": {"global_segment_gb": 1.5 / 1024},
+    }
+    config = store_config(kind, tmp_path, request)
+    expected = {
+        "posix": "store.capacity_gb",
+        "dram": "store.capacity_gb",
+        "tiered": "store.dram.capacity_gb",
+        "mooncake": "store.global_segment_gb",
+        "tiered-mooncake": "store.dram.capacity_gb",
+    }[kind]
+    if kind.startswith("tiered"):
+        config = TieredStoreConfig(dram=DramStoreConfig(**small["dram"]), backing=config.backing)
+    else:
+        config = type(config)(**{**_fields(config), **small[kind]})
+    store = create_store(config)
+    try:
+        store.check_block_bytes(1 << 20)  # fits
+        with pytest.raises(ConfigError) as caught:
+            store.check_block_bytes(2 << 20)
+        assert caught.value.key == expected
+        assert str(2 << 20) in str(caught.value) or str((2 << 20) + HEADER_BYTES) in str(
+            caught.value
+        )
+    finally:
+        store.close()
+
+
+def _fields(config) -> dict:
+    import attrs
+
+    return attrs.asdict(config, recurse=False)
