@@ -466,6 +466,16 @@ def parse_store_config(data: object, where: str = "store") -> StoreConfig:
     return from_dict(cls, data, where)
 
 
+def for_lookups_only(config: StoreConfig) -> StoreConfig:
+    """The settings for a process that only looks blocks up (vLLM's scheduler): it gives a
+    Mooncake cluster no memory, since nothing it writes would need it."""
+    if isinstance(config, MooncakeStoreConfig):
+        return attrs.evolve(config, global_segment_gb=0.0)
+    if isinstance(config, TieredStoreConfig) and isinstance(config.backing, MooncakeStoreConfig):
+        return attrs.evolve(config, backing=attrs.evolve(config.backing, global_segment_gb=0.0))
+    return config
+
+
 def _is_store(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     parse_store_config(value, attribute.name)
 

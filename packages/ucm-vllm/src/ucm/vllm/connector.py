@@ -62,7 +62,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             )
         sync = sync_loads(self.config, len(kv_cache_config.kv_cache_groups))
         stores = ConnectorStores.open(
-            self.config.store, self.layout.has_windows, self.config.wa_capacity_fraction
+            self.config.store,
+            self.layout.has_windows,
+            self.config.wa_capacity_fraction,
+            lookups_only=role == KVConnectorRole.SCHEDULER,
         )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

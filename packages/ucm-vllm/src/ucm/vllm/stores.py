@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ucm.core.config import StoreConfig
+from ucm.core.config import StoreConfig, for_lookups_only
 from ucm.core.hybrid_store import split_store_config
 from ucm.core.store import Store, create_store
 from ucm.vllm.layout import GroupLayout
@@ -20,8 +20,13 @@ class ConnectorStores:
         self.window = window
 
     @classmethod
-    def open(cls, config: StoreConfig, hybrid: bool, wa_fraction: float) -> ConnectorStores | None:
-        """The stores, or None (with a warning) when they cannot be used: serve without."""
+    def open(
+        cls, config: StoreConfig, hybrid: bool, wa_fraction: float, *, lookups_only: bool = False
+    ) -> ConnectorStores | None:
+        """The stores, or None (with a warning) when they cannot be used: serve without.
+        ``lookups_only``: for the scheduler, which never moves a block."""
+        if lookups_only:
+            config = for_lookups_only(config)
         try:
             if not hybrid:
                 return cls(create_store(config), None)
@@ -40,6 +45,10 @@ class ConnectorStores:
         if group.kind == "window" and self.window is not None:
             return self.window
         return self.full
+
+    def check_block_bytes(self, group: GroupLayout, nbytes: int) -> None:
+        """Refuse at start-up a store that cannot hold one of ``group``'s blocks."""
+        self.of(group).check_block_bytes(nbytes)
 
     @property
     def read_only(self) -> bool:

@@ -99,6 +99,14 @@ class WorkerSide:
             self.caches[group.index] = [kv_caches[n] for n in group.layer_names]
         if not self.caches:
             return
+        if self.stores is not None:  # a store that cannot hold a block is refused now
+            for group in self.layout.stored_groups:
+                blocks = (
+                    self.layout.hybrid.blocks_per_boundary(group.index)
+                    if group.kind == "full"
+                    else self.layout.hybrid.tail_blocks[group.index] or 1
+                )
+                self.stores.check_block_bytes(group, self._row_bytes(group.index, blocks))
         self.stager = HostStager(next(iter(self.caches.values()))[0].device)
         # Touch the rows of a typical load now (full-attention blocks of every group),
         # rather than on the first request.

@@ -1,8 +1,10 @@
-"""A ``mooncake_master`` process of our own: for the demo, the benchmarks and the tests.
+"""Mooncake's daemons run by us: for the demo, the benchmarks and the tests.
 
-Production clusters run their master as a service (see Running across machines); this
-starts one on free ports of a given address, waits until it accepts connections, and
-stops it by its pid.  ``netns`` runs it inside a network namespace.
+:class:`LocalMaster` is a ``mooncake_master``; :class:`SegmentServer` is a
+``mooncake_client``, a process whose only job is to give the pool memory, so that blocks
+outlive the engine that wrote them.  Production clusters run both as services (see Running
+across machines); these start one on free ports of a given address, wait until it accepts
+connections, and stop it by its pid.  ``netns`` runs it inside a network namespace.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only, so 3.10 runs too
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,21 +28,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def master_binary() -> str:
-    """The ``mooncake_master`` that Mooncake's wheel installs (beside this Python first)."""
-    import sys
-
-    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    found = beside if os.access(beside, os.X_OK) else shutil.which("mooncake_master")
+def master_binary(name: str = "mooncake_master") -> str:
+    """A binary that Mooncake's wheel installs (beside this Python first)."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    found = beside if os.access(beside, os.X_OK) else shutil.which(name)
     if not found:
         raise FileNotFoundError(
-            "mooncake_master not found: pip install 'ucm-core[mooncake]' puts it beside python"
+            f"{name} not found: pip install 'ucm-core[mooncake]' puts it beside python"
         )
     return found
 
 
-class LocalMaster:
-    """``mooncake_master`` on ``host``: ``address`` is what clients set as ``master``."""
+class _Daemon:
+    """A Mooncake process listening on ``host:port``."""
 
     def __init__(
         self,
@@ -49,7 +53,6 @@ class LocalMaster:
     ) -> None:
         self.host = host
         self.port = port or free_port(host if netns is None else "127.0.0.1")
-        self.metrics_port = free_port("127.0.0.1")
         self.netns = netns
         self.log_path = log_path
         self.extra_args = extra_args
@@ -60,15 +63,11 @@ class LocalMaster:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> LocalMaster:
-        command = [
-            master_binary(),
-            f"--rpc_address={self.host}",
-            f"--rpc_port={self.port}",
-            f"--metrics_port={self.metrics_port}",
-            "--enable_http_metadata_server=false",
-            *self.extra_args,
-        ]
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 20.0) -> Self:
+        command = [*self._command(), *self.extra_args]
         if self.netns is not None:
             command = ["ip", "netns", "exec", self.netns, *command]
         self._log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - kept while it runs
@@ -79,11 +78,11 @@ class LocalMaster:
         while not self._accepts():
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"mooncake_master exited with {self.proc.returncode} (log: {self.log_path})"
+                    f"{command[0]} exited with {self.proc.returncode} (log: {self.log_path})"
                 )
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"mooncake_master did not listen on {self.address}")
+                raise TimeoutError(f"{command[0]} did not listen on {self.address}")
             time.sleep(0.05)
         return self
 
@@ -126,16 +125,54 @@ class LocalMaster:
             self._log.close()
             self._log = None
 
-    def restart(self) -> LocalMaster:
-        """A new master on the same address, with empty metadata."""
+    def restart(self) -> Self:
+        """A new process on the same address (a master's metadata starts empty)."""
         self.stop()
         return self.start()
 
-    def __enter__(self) -> LocalMaster:
+    def __enter__(self) -> Self:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class LocalMaster(_Daemon):
+    """``mooncake_master`` on ``host``: ``address`` is what clients set as ``master``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.metrics_port = free_port("127.0.0.1")
+
+    def _command(self) -> list[str]:
+        return [
+            master_binary(),
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.port}",
+            f"--metrics_port={self.metrics_port}",
+            "--enable_http_metadata_server=false",
+        ]
+
+
+class SegmentServer(_Daemon):
+    """``mooncake_client`` on ``host``, giving ``segment_mb`` MiB to ``master``'s pool."""
+
+    def __init__(self, master: str, segment_mb: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.master = master
+        self.segment_mb = segment_mb
+
+    def _command(self) -> list[str]:
+        return [
+            master_binary("mooncake_client"),
+            f"--master_server_address={self.master}",
+            f"--host={self.host}",
+            f"--port={self.port}",
+            f"--global_segment_size={self.segment_mb} MB",
+            "--local_buffer_size=16 MB",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+        ]
 
 
 _CONNECT = (
