@@ -7,24 +7,41 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
 
 
-def run_engine(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+def run_engine(
+    spec: dict[str, Any], timeout: float = 600, prefix: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Run an engine to the end; ``prefix`` wraps the command (``ip netns exec HOST``)."""
+    return finish_engine(start_engine(spec, prefix), timeout)
+
+
+def start_engine(spec: dict[str, Any], prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_engine.py"), json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout, env=env,
+    return subprocess.Popen(
+        [*prefix, sys.executable, str(HERE / "run_engine.py"), json.dumps(spec)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
-    for line in proc.stdout.splitlines():
+
+
+def finish_engine(proc: subprocess.Popen[str], timeout: float = 600) -> dict[str, Any]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"engine ran past {timeout} s:\n{stderr[-6000:]}") from None
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
-            result["log"] = proc.stderr + proc.stdout
+            result["log"] = stderr + stdout
             return result
-    raise AssertionError(f"engine failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    raise AssertionError(f"engine failed (exit {proc.returncode}):\n{stderr[-6000:]}")
 
 
 def shared_prefix_prompts(

@@ -6,7 +6,10 @@ SPEC: model, prompts (token id lists), max_tokens, store (a store dict or null: 
 connector), extra (more kv_connector_extra_config), engine (more LLM kwargs), adapters
 (per prompt, a LoRA adapter as [name, id, path] or null), images (per prompt, the seed of a
 random 112-pixel image for the prompt's image token, or null), together (send the prompts
-in one ``generate`` call; by default they go one at a time).
+in one ``generate`` call; by default they go one at a time), fresh_prefix_cache (empty vLLM's
+own prefix cache before each request, so that a repeat is served by the store), pause_after
+and pause_dir (before request pause_after[k], create PAUSE_DIR/paused-k and wait for
+PAUSE_DIR/resume-k: the test makes or mends a fault meanwhile).
 Every run pins the CPU threads the same way (../shared/DESIGN.md section 3), so outputs of
 runs with and without the connector are comparable bit for bit, as long as the requests go
 one at a time: vLLM CPU's numerics move with the shape of the batch (logprobs by ~0.05).
@@ -61,19 +64,26 @@ def main() -> None:
     together = bool(spec.get("together", False))
     loras = [_lora(a) for a in spec.get("adapters") or [None] * len(prompts)]
     t0 = time.perf_counter()
+    took = [None] * len(prompts)
     if together:
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     else:
-        outputs = [
-            llm.generate([p], params, use_tqdm=False, lora_request=lora)[0]
-            for p, lora in zip(prompts, loras)
-        ]
+        outputs = []
+        for i, (p, lora) in enumerate(zip(prompts, loras)):
+            if i in spec.get("pause_after", ()):
+                _pause(spec["pause_dir"], spec["pause_after"].index(i))
+            if spec.get("fresh_prefix_cache"):
+                llm.reset_prefix_cache()
+            started = time.perf_counter()
+            outputs.append(llm.generate([p], params, use_tqdm=False, lora_request=lora)[0])
+            took[i] = time.perf_counter() - started
     seconds = time.perf_counter() - t0
     result = {"seconds": seconds, "together": together, "outputs": []}
-    for out in outputs:
+    for out, request_seconds in zip(outputs, took):
         completion = out.outputs[0]
         result["outputs"].append(
             {
+                "seconds": request_seconds,
                 "tokens": list(completion.token_ids),
                 "logprobs": [
                     lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs)
@@ -88,6 +98,15 @@ def main() -> None:
             metrics[metric.name] = getattr(metric, "value", None)
     result["metrics"] = metrics
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _pause(folder: str, k: int) -> None:
+    open(os.path.join(folder, f"paused-{k}"), "w").close()
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(folder, f"resume-{k}")):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no resume within 300 s")
+        time.sleep(0.05)
 
 
 def _image(seed: int):

@@ -1,0 +1,164 @@
+"""vLLM on two hosts sharing one Mooncake cluster, with the master killed while one serves.
+
+The hosts are network namespaces on a bridge (ucm.core.netlab): host m runs the
+mooncake_master and a segment server (mooncake_client, the pool's memory, so that blocks
+outlive the engine that wrote them); engine A runs on host a, engine B on host b, each a
+fresh process.  The reference is vLLM without the connector; every run sends its requests
+one at a time and empties vLLM's own prefix cache before each (``fresh_prefix_cache``), so a
+hit can only come from the store.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from engine import (
+    assert_same_outputs,
+    finish_engine,
+    run_engine,
+    shared_prefix_prompts,
+    start_engine,
+)
+
+pytest.importorskip("vllm")
+
+ENGINE_BLOCK = 32
+
+
+def _cannot_run() -> str | None:
+    from ucm.core.netlab import unavailable
+
+    try:
+        import mooncake.store  # noqa: F401
+        from ucm.core.store.mooncake_master import master_binary
+
+        master_binary()
+        master_binary("mooncake_client")
+    except (ImportError, OSError) as exc:
+        return f"Mooncake's client is not installed (pip install 'ucm-core[mooncake]'): {exc}"
+    reason = unavailable()
+    return None if reason is None else f"cannot make hosts as network namespaces: {reason}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = _cannot_run()
+    if reason:
+        pytest.skip(reason)
+    from ucm.core.netlab import NetLab
+    from ucm.core.store.mooncake_master import LocalMaster, SegmentServer
+
+    logs = tmp_path_factory.mktemp("cluster")
+    with NetLab(["m", "a", "b"]) as lab:
+        master = LocalMaster(
+            lab.address("m"), netns=lab.namespace("m"), log_path=str(logs / "master.log")
+        ).start()
+        segment = SegmentServer(
+            master.address, 512, lab.address("m"), netns=lab.namespace("m"),
+            log_path=str(logs / "segment.log"),
+        ).start()  # fmt: skip
+        try:
+            yield lab, master, segment
+        finally:
+            segment.stop()
+            master.stop()
+
+
+def mooncake_store(master) -> dict:
+    # The engines give the pool no memory: the blocks live in the segment server on host m.
+    return {"kind": "mooncake", "master": master.address, "global_segment_gb": 0, "timeout_s": 1.0}
+
+
+X = shared_prefix_prompts(3, prefix=1000, tail=100, seed=1)  # stored by A
+Y = shared_prefix_prompts(3, prefix=600, tail=80, seed=2)  # never stored
+Z = shared_prefix_prompts(1, prefix=800, tail=60, seed=3)  # stored after the restart
+# B: hits, then the master dies (requests 2-7), then it is back (8-10)
+B_PROMPTS = [X[0], X[1], X[2], X[0], Y[0], Y[1], Y[2], X[1], Z[0], Z[0], Z[0]]
+KILLED_AT, RESTARTED_AT = 2, 8
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return run_engine({"model": tiny_model, "prompts": B_PROMPTS, "fresh_prefix_cache": True})
+
+
+@pytest.fixture(scope="module")
+def stored_by_a(cluster, tiny_model):
+    lab, master, _ = cluster
+    return run_engine(
+        {"model": tiny_model, "prompts": X, "store": mooncake_store(master),
+         "fresh_prefix_cache": True},
+        prefix=lab.command("a", []),
+    )  # fmt: skip
+
+
+def test_a_prefix_stored_on_one_host_hits_on_another(cluster, tiny_model, reference, stored_by_a):
+    lab, master, _ = cluster
+    assert_same_outputs(_only(reference, [0, 1, 2]), stored_by_a)
+    # the 1000-token shared prefix gives 3 store blocks, then one per prompt
+    assert stored_by_a["metrics"]["vllm:ucm_dumped_blocks"] >= 3 + len(X)
+    warm = run_engine(
+        {"model": tiny_model, "prompts": X, "store": mooncake_store(master),
+         "fresh_prefix_cache": True},
+        prefix=lab.command("b", []),
+    )  # fmt: skip
+    assert_same_outputs(_only(reference, [0, 1, 2]), warm)
+    for out in warm["outputs"]:  # 4 store blocks of 256 tokens each
+        assert out["num_cached_tokens"] >= 1024, out["num_cached_tokens"]
+    assert warm["metrics"]["vllm:ucm_loaded_blocks"] >= 3 * 4
+    assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
+
+
+def test_a_killed_master_costs_b_nothing_and_a_new_one_is_used(
+    cluster, tiny_model, reference, stored_by_a, tmp_path
+):
+    lab, master, _ = cluster
+    spec = {
+        "model": tiny_model, "prompts": B_PROMPTS, "store": mooncake_store(master),
+        "fresh_prefix_cache": True, "pause_after": [KILLED_AT, RESTARTED_AT],
+        "pause_dir": str(tmp_path),
+    }  # fmt: skip
+    engine = start_engine(spec, prefix=lab.command("b", []))
+    try:
+        _wait_for(tmp_path / "paused-0", engine)
+        master.kill()
+        (tmp_path / "resume-0").touch()
+        _wait_for(tmp_path / "paused-1", engine)
+        master.start()  # empty metadata; the segment server and B register again by themselves
+        time.sleep(5)  # "within 5 s"
+        (tmp_path / "resume-1").touch()
+        run = finish_engine(engine)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+    assert_same_outputs(reference, run)  # every request, in every phase
+    outs = run["outputs"]
+    assert all(o["num_cached_tokens"] >= 1024 for o in outs[:KILLED_AT])  # hits before
+    assert all(o["num_cached_tokens"] == 0 for o in outs[KILLED_AT:RESTARTED_AT])
+    # After the first failure no request waits on the dead master: what a request costs
+    # over the same request served without the connector (full prefill both times).
+    after_first = range(KILLED_AT + 1, RESTARTED_AT)
+    added = [outs[i]["seconds"] - reference["outputs"][i]["seconds"] for i in after_first]
+    print("added seconds per request with the master dead:", [round(a, 4) for a in added])
+    assert statistics.median(added) < 0.05, added
+    assert max(added) < 0.5, added  # a call that waited on the master would take ~4 s
+    # The new master: Z's blocks are stored by its first request and hit by a repeat.
+    assert any(o["num_cached_tokens"] >= 768 for o in outs[RESTARTED_AT + 1 :]), [
+        o["num_cached_tokens"] for o in outs[RESTARTED_AT:]
+    ]
+
+
+def _only(run: dict, indices: list[int]) -> dict:
+    return {**run, "outputs": [run["outputs"][i] for i in indices]}
+
+
+def _wait_for(path: Path, engine, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if engine.poll() is not None:
+            raise AssertionError(f"engine exited with {engine.returncode}: {finish_engine(engine)}")
+        assert time.monotonic() < deadline, f"{path.name} not reached in {timeout} s"
+        time.sleep(0.1)
