@@ -3,8 +3,9 @@ not write, a full pool, hosts that leave, and a master that dies and comes back.
 
 The promises every store keeps are in test_store_contract.py."""
 
-import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -126,42 +127,46 @@ def test_a_full_pool_fails_writes_and_keeps_serving(mooncake_master):
 # -- hosts that leave ------------------------------------------------------------------------
 
 
-def _own_segment_and_dump(address: str, prefix: str, ready, die) -> None:
-    """Another host: gives the pool a segment, stores blocks in it, then dies or leaves."""
-    from ucm.core.store.mooncake import MooncakeStore
+# Another host: gives the pool a segment, stores blocks in it, says so, then on a line of
+# stdin leaves (closes its store) or dies (no unmount: as a host that loses power).
+OTHER_HOST = """
+import os, sys
+import numpy as np
+import xxhash
+from ucm.core.config import MooncakeStoreConfig
+from ucm.core.store.mooncake import MooncakeStore
 
-    store = MooncakeStore(
-        MooncakeStoreConfig(master=address, global_segment_gb=0.0625, key_prefix=prefix)
-    )
-    results = store.wait(
-        store.dump([key(i) for i in range(8)], [blob(i, 100_000) for i in range(8)])
-    )
-    ready.put([r.ok for r in results])
-    if die.get() == "kill":
-        os._exit(0)  # no unmount: as a host that loses power
-    store.close()
+def key(i):
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
+
+store = MooncakeStore(MooncakeStoreConfig(
+    master=sys.argv[1], global_segment_gb=0.0625, key_prefix=sys.argv[2]))
+data = [np.random.default_rng(i).integers(0, 256, 100_000, dtype=np.uint8) for i in range(8)]
+results = store.wait(store.dump([key(i) for i in range(8)], data), 30)
+print("stored", sum(r.ok for r in results), flush=True)
+if sys.stdin.readline().strip() == "kill":
+    os._exit(0)
+store.close()
+"""
 
 
 @pytest.mark.parametrize("how", ["close", "kill"])
 def test_blocks_of_a_host_that_left_are_misses(mooncake_master, how):
     from ucm.core.store.mooncake import MooncakeStore
 
-    prefix = f"left-{how}/"
-    ctx = multiprocessing.get_context("spawn")
-    ready, die = ctx.Queue(), ctx.Queue()
-    other = ctx.Process(
-        target=_own_segment_and_dump, args=(mooncake_master.address, prefix, ready, die)
-    )
-    other.start()
+    prefix = f"left-{how}-{os.getpid()}/"
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_HOST, mooncake_master.address, prefix],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     # This client gives no memory, so every block lives in the other host's segment.
     store = MooncakeStore(mooncake_config(mooncake_master, global_segment_gb=0, key_prefix=prefix))
     try:
-        assert ready.get(timeout=60) == [True] * 8
+        assert other.stdout.readline().split() == ["stored", "8"]
         keys = [key(i) for i in range(8)]
         out = [np.zeros(100_000, np.uint8) for _ in keys]
         assert all(r.ok for r in store.wait(store.load(keys, out), 30))
-        die.put(how)
-        other.join(30)
+        other.communicate(f"{how}\n", timeout=30)
         deadline = time.monotonic() + 60
         while True:  # a killed host's segment goes when the master's client TTL runs out
             started = time.monotonic()
@@ -174,7 +179,7 @@ def test_blocks_of_a_host_that_left_are_misses(mooncake_master, how):
         assert all(r.status is Status.MISS for r in results), results
     finally:
         store.close()
-        if other.is_alive():
+        if other.poll() is None:
             other.kill()
 
 

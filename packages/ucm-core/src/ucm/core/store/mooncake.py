@@ -183,7 +183,7 @@ class MasterLink:
             config.master,
         )
         if code != 0:
-            _ABANDONED.append(client)
+            _abandon(client)
             return None
         return client
 
@@ -208,13 +208,15 @@ class MasterLink:
         if up:
             self._client.close()  # unmounts this process's segment: its blocks leave the pool
         else:
-            # With its master gone, close() retries unmounting for about 13 s holding the
-            # GIL; there is nothing to unmount from a dead master, so leave the client be.
-            _ABANDONED.append(self._client)
+            _abandon(self._client)
 
 
-#: Clients of a dead master, kept referenced so that no destructor closes them meanwhile.
-_ABANDONED: list[Any] = []
+def _abandon(client: Any) -> None:
+    """Never close or destroy ``client``: with its master gone, close() retries unmounting
+    for about 13 s holding the GIL, and its destructor, run at interpreter exit, aborts the
+    process (a joinable std::thread destroyed).  There is nothing to unmount from a dead
+    master; the reference taken here is never given back."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
 
 
 def _accepts(host: str, port: int, timeout: float) -> bool:
