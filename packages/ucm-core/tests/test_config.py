@@ -87,6 +87,17 @@ INVALID = [
     ({"kind": "tiered", "dram": 4}, "store.dram", "mapping"),
     ({"kind": "tiered", "dram": {"capacity_gb": -2}}, "store.dram.capacity_gb", "positive"),
     ({"kind": "tiered", "dram": {"kind": "posix"}}, "store.dram.kind", "'dram'"),
+    ({"kind": "tiered", "local": {"kind": "dram"}}, "store.local.kind", "'posix'"),
+    (
+        {"kind": "tiered", "local": {"path": "/x"}, "dram": {"capacity_gb": 2}},
+        "store.local",
+        "local or dram",
+    ),
+    (
+        {"kind": "tiered", "local": {"path": "/x/y"}, "backing": {"path": "/x/y/"}},
+        "store.local.path",
+        "share a path",
+    ),
     ({"kind": "tiered", "backing": {"kind": "tiered"}}, "store.backing.kind", "tiered"),
     (
         {"kind": "tiered", "backing": {"kind": "posix", "fsync": "x"}},

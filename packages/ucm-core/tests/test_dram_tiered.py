@@ -76,17 +76,17 @@ def test_tiered_write_through_and_promote(tiered):
     data = [bytes([i]) * 3000 for i in range(4)]
     assert all(r.ok for r in tiered.wait(tiered.dump(keys, data)))
     assert tiered.backing.lookup(keys) == [True] * 4
-    assert tiered.dram.lookup(keys) == [False, True, True, True]  # 3 x 3000 fit in 10 000
+    assert tiered.front.lookup(keys) == [False, True, True, True]  # 3 x 3000 fit in 10 000
     out = [bytearray(3000) for _ in keys]
     assert all(r.ok for r in tiered.wait(tiered.load(keys, out)))
     assert [bytes(o) for o in out] == data
-    assert tiered.dram.lookup([key(0)]) == [True]  # promoted from the backing store
+    assert tiered.front.lookup([key(0)]) == [True]  # promoted from the backing store
 
 
 def test_tiered_lookup_prefix_spans_both_tiers(tiered):
     keys = [key(i) for i in range(6)]
     tiered.backing.wait(tiered.backing.dump(keys[:3], [b"x"] * 3))
-    tiered.dram.dump(keys[3:5], [b"y"] * 2)
+    tiered.front.dump(keys[3:5], [b"y"] * 2)
     assert tiered.lookup_prefix(keys) == 5
     assert tiered.lookup(keys) == [True] * 5 + [False]
     tiered.backing.remove([keys[1]])

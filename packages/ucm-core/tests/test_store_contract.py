@@ -15,7 +15,7 @@ from ucm.core.config import (
 )
 from ucm.core.store import Status, create_store
 
-KINDS = ["posix", "dram", "tiered", "mooncake", "tiered-mooncake"]
+KINDS = ["posix", "dram", "tiered", "mooncake", "tiered-mooncake", "posix-over-mooncake"]
 
 
 def store_config(kind, tmp_path, request, **posix):
@@ -31,6 +31,11 @@ def store_config(kind, tmp_path, request, **posix):
     master = request.getfixturevalue("mooncake_master")
     if kind == "mooncake":
         return mooncake_config(master)
+    if kind == "posix-over-mooncake":  # a local disk in front of the cluster
+        return TieredStoreConfig(
+            local=PosixStoreConfig(path=str(tmp_path / "local"), **posix),
+            backing=mooncake_config(master),
+        )
     return TieredStoreConfig(
         dram=DramStoreConfig(capacity_gb=0.0625), backing=mooncake_config(master)
     )
@@ -174,8 +179,12 @@ def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, re
         "tiered": "store.dram.capacity_gb",
         "mooncake": "store.global_segment_gb",
         "tiered-mooncake": "store.dram.capacity_gb",
+        "posix-over-mooncake": "store.local.capacity_gb",
     }[kind]
-    if kind.startswith("tiered"):
+    if kind == "posix-over-mooncake":
+        local = PosixStoreConfig(path=config.local.path, **small["posix"])
+        config = TieredStoreConfig(local=local, backing=config.backing)
+    elif kind.startswith("tiered"):
         config = TieredStoreConfig(dram=DramStoreConfig(**small["dram"]), backing=config.backing)
     else:
         config = type(config)(**{**_fields(config), **small[kind]})

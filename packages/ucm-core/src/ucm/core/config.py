@@ -409,6 +409,15 @@ def _parse_dram(value: object, where: str) -> DramStoreConfig:
     return from_dict(DramStoreConfig, data, where)
 
 
+def _parse_local(value: object, where: str) -> PosixStoreConfig | None:
+    if value is None:
+        return None
+    data = dict(value) if isinstance(value, Mapping) else value
+    if isinstance(data, dict):
+        data.setdefault("kind", "posix")
+    return from_dict(PosixStoreConfig, data, where)
+
+
 def _parse_backing(
     value: object, where: str
 ) -> PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig:
@@ -420,22 +429,45 @@ def _parse_backing(
 
 @attrs.frozen
 class TieredStoreConfig:
-    """A DRAM tier over another store: writes go to both, reads promote into DRAM."""
+    """A local tier over another store: writes go to both, reads are served by the local tier
+    where it holds the block, else by the one below and then promoted into the local tier."""
 
     kind: str = setting("Store kind.", default="tiered", validator=one_of("tiered"))
     dram: DramStoreConfig = setting(
-        "The DRAM tier (the settings of a dram store).",
+        "The local tier when it is DRAM (the settings of a dram store).",
         factory=DramStoreConfig,
         validator=instance_of(DramStoreConfig),
         metadata={"parse": _parse_dram},
     )
+    local: PosixStoreConfig | None = setting(
+        "A posix store on a local disk as the local tier instead of DRAM (e.g. NVMe in front "
+        "of a mooncake store). null: the dram tier.",
+        default=None,
+        validator=optional(instance_of(PosixStoreConfig)),
+        metadata={"parse": _parse_local},
+    )
     backing: PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig = setting(
-        "The store under the DRAM tier (the settings of a posix, dram or mooncake store, "
+        "The store under the local tier (the settings of a posix, dram or mooncake store, "
         "with its kind; posix when the kind is left out).",
         factory=PosixStoreConfig,
         validator=instance_of((PosixStoreConfig, DramStoreConfig, MooncakeStoreConfig)),
         metadata={"parse": _parse_backing},
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.local is not None and self.dram != DramStoreConfig():
+            raise ConfigError("local", "a tiered store has one local tier: give local or dram")
+        if (
+            isinstance(self.backing, PosixStoreConfig)
+            and self.local is not None
+            and os.path.realpath(self.backing.path) == os.path.realpath(self.local.path)
+        ):
+            raise ConfigError("local.path", "the local tier and its backing store share a path")
+
+    @property
+    def front(self) -> DramStoreConfig | PosixStoreConfig:
+        """The local tier's settings."""
+        return self.local if self.local is not None else self.dram
 
 
 StoreConfig = PosixStoreConfig | DramStoreConfig | TieredStoreConfig | MooncakeStoreConfig

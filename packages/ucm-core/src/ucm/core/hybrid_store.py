@@ -201,10 +201,13 @@ def split_store_config(
         return _split_backing(config, wa_fraction)
     if isinstance(config, TieredStoreConfig):
         fa_dram, wa_dram = _split_dram(config.dram, wa_fraction)
+        fa_local, wa_local = (None, None)
+        if config.local is not None:
+            fa_local, wa_local = _split_posix(config.local, wa_fraction)
         fa_back, wa_back = _split_backing(config.backing, wa_fraction)
         return (
-            attrs.evolve(config, dram=fa_dram, backing=fa_back),
-            attrs.evolve(config, dram=wa_dram, backing=wa_back),
+            attrs.evolve(config, dram=fa_dram, local=fa_local, backing=fa_back),
+            attrs.evolve(config, dram=wa_dram, local=wa_local, backing=wa_back),
         )
     raise TypeError(f"not a store configuration: {config!r}")
 

@@ -33,7 +33,8 @@ def create_store(config: StoreConfig | Mapping[str, Any] | None = None) -> Store
         return MooncakeStore(config)
     if isinstance(config, TieredStoreConfig):
         backing = create_store(config.backing)
-        return TieredStore(DramStore(config.dram), backing)
+        front = create_store(config.front)
+        return TieredStore(front, backing)
     raise TypeError(f"not a store configuration: {config!r}")
 
 

@@ -177,6 +177,14 @@ class Task:
                 self._idle.wait(left)
         return quiet
 
+    def add_part(self, part: Task) -> None:
+        """Make ``part`` a sub-task started later (cancelled with this one, at once if this
+        one already is)."""
+        with self._lock:
+            self._parts.append(part)
+        if self._cancelled:
+            part.cancel()
+
     @property
     def cancelled(self) -> bool:
         return self._cancelled

@@ -1,66 +1,90 @@
-"""The tiered store: a DRAM tier over a slower store.
+"""The tiered store: a local tier (DRAM, or a posix store on a local disk) over a store
+further away (a shared disk, a Mooncake cluster).
 
 Dumps go to both tiers (write-through: the backing store decides the result, since it is
-what outlives the process).  Loads are served from DRAM where possible; the rest come from
-the backing store and are promoted into DRAM once verified there.
+what other processes and hosts read).  Loads are served by the local tier where possible;
+the rest come from the backing store and are promoted into the local tier once verified
+there.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from ucm.core.config import ConfigError
-from ucm.core.store.base import Store, StoreUsage, Task, check_batch, check_keys
+from ucm.core.store.base import CANCELLED, Store, StoreUsage, Task, check_batch, check_keys
 from ucm.core.store.dram import DramStore
 
 
 class TieredStore(Store):
-    def __init__(self, dram: DramStore, backing: Store) -> None:
-        self.dram = dram
+    def __init__(self, front: Store, backing: Store) -> None:
+        self.front = front
         self.backing = backing
 
     def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         check_batch(keys, buffers, writable=False)
-        self.dram.dump(keys, buffers, layout)
-        return self.backing.dump(keys, buffers, layout)
+        local = self.front.dump(keys, buffers, layout)
+        below = self.backing.dump(keys, buffers, layout)
+        # The backing store's results; done once neither tier reads the buffers any more.
+        return _after(below, local)
 
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         views = check_batch(keys, buffers, writable=True)
-        from_dram = self.dram.load(keys, views, layout).wait(0)
-        rest = [i for i, r in enumerate(from_dram) if not r.ok]
-        if not rest:
-            return Task.completed(from_dram)
-        hits = [i for i, r in enumerate(from_dram) if r.ok]
-        below = self.backing.load([keys[i] for i in rest], [views[i] for i in rest], layout)
+        whole = Task(len(keys))
+        first = self.front.load(keys, views, layout)
+        whole.add_part(first)
 
-        def promote(done: Task) -> None:
-            if done.cancelled:  # the caller may have taken the buffers back already
+        def after_front(done: Task) -> None:
+            results = done.wait(0)
+            rest = [i for i, r in enumerate(results) if not r.ok]
+            for i, result in enumerate(results):
+                if result.ok:
+                    whole.set_result(i, result)
+            if not rest:
                 return
-            good = [i for i, r in zip(rest, done.wait(0)) if r.ok]
-            self.dram.dump([keys[i] for i in good], [views[i] for i in good], layout)
+            if whole.cancelled:  # the caller may have taken the buffers back already
+                for i in rest:
+                    whole.set_result(i, CANCELLED)
+                return
+            below = self.backing.load([keys[i] for i in rest], [views[i] for i in rest], layout)
+            whole.add_part(below)
+            below.add_done_callback(lambda task: after_backing(task, rest))
 
-        below.add_done_callback(promote)
-        return Task.combine(
-            len(keys), [(hits, Task.completed([from_dram[i] for i in hits])), (rest, below)]
-        )
+        def after_backing(done: Task, rest: list[int]) -> None:
+            results = done.wait(0)
+            good = [] if done.cancelled else [i for i, r in zip(rest, results) if r.ok]
+            # Promote what was verified below; the results wait for the promotion, which
+            # reads the caller's buffers.
+            promote = self.front.dump([keys[i] for i in good], [views[i] for i in good], layout)
+            whole.add_part(promote)
+
+            def finish(_: Task) -> None:
+                for i, result in zip(rest, results):
+                    whole.set_result(i, result)
+
+            promote.add_done_callback(finish)
+
+        first.add_done_callback(after_front)
+        return whole
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
-        in_dram = self.dram.lookup(keys)
-        missing = [k for k, hit in zip(keys, in_dram) if not hit]
+        in_front = self.front.lookup(keys)
+        missing = [k for k, hit in zip(keys, in_front) if not hit]
         below = iter(self.backing.lookup(missing)) if missing else iter(())
-        return [hit or next(below) for hit in in_dram]
+        return [hit or next(below) for hit in in_front]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)
-        in_dram = self.dram.lookup(keys)
+        in_front = self.front.lookup(keys)
         n = 0
         while n < len(keys):
-            if in_dram[n]:
+            if in_front[n]:
                 n += 1
                 continue
             # The backing store holds every dumped key unless it evicted it: ask it for the
             # run of keys up to the next DRAM hit in one call.
-            end = next((j for j in range(n, len(keys)) if in_dram[j]), len(keys))
+            end = next((j for j in range(n, len(keys)) if in_front[j]), len(keys))
             found = self.backing.lookup_prefix(keys[n:end])
             n += found
             if n < end:
@@ -68,17 +92,18 @@ class TieredStore(Store):
         return n
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        in_dram = self.dram.lookup(keys)
-        self.dram.remove(keys)
+        in_front = self.front.lookup(keys)
+        self.front.remove(keys)
         below = self.backing.lookup(keys)
         self.backing.remove(keys)
-        return sum(a or b for a, b in zip(in_dram, below))
+        return sum(a or b for a, b in zip(in_front, below))
 
     def check_block_bytes(self, nbytes: int) -> None:
         try:
-            self.dram.check_block_bytes(nbytes)
+            self.front.check_block_bytes(nbytes)
         except ConfigError as exc:
-            raise ConfigError(exc.key.replace("store.", "store.dram.", 1), exc.problem) from None
+            tier = "dram" if isinstance(self.front, DramStore) else "local"
+            raise ConfigError(exc.key.replace("store.", f"store.{tier}.", 1), exc.problem) from None
         try:
             self.backing.check_block_bytes(nbytes)
         except ConfigError as exc:
@@ -90,4 +115,25 @@ class TieredStore(Store):
 
     def close(self) -> None:
         self.backing.close()
-        self.dram.close()
+        self.front.close()
+
+
+def _after(main: Task, other: Task) -> Task:
+    """A task with ``main``'s results, done when ``other`` is done too."""
+    whole = Task(len(main))
+    whole.add_part(main)
+    whole.add_part(other)
+    pending = [2]
+    lock = threading.Lock()
+
+    def finish(_: Task) -> None:
+        with lock:
+            pending[0] -= 1
+            if pending[0]:
+                return
+        for i, result in enumerate(main.wait(0)):
+            whole.set_result(i, result)
+
+    main.add_done_callback(finish)
+    other.add_done_callback(finish)
+    return whole
