@@ -341,3 +341,47 @@ def test_valid_settings():
     assert config.master_host_port == ("fd00::1", 50051)
     tiered = parse_store_config({"kind": "tiered", "backing": {"kind": "mooncake"}})
     assert isinstance(tiered.backing, MooncakeStoreConfig)
+
+
+def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
+    """The master's host drops off the network (its link set down) instead of dying: calls
+    hang rather than fail at once.  The first lookup gives up after timeout_s; later calls
+    answer at once; when the link is back the store is used again."""
+    from ucm.core.netlab import NetLab, unavailable
+    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake_master import LocalMaster
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"cannot make hosts as network namespaces: {reason}")
+    with NetLab(["m"]) as lab:
+        master = LocalMaster(
+            lab.address("m"), netns=lab.namespace("m"), log_path=str(tmp_path / "master.log")
+        )
+        with master:
+            store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
+            try:
+                keys = [key(i, b"partition") for i in range(4)]
+                data = [blob(i, 50_000) for i in range(4)]
+                assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+                lab.link_down("m")
+                found, took = _timed(lambda: store.lookup(keys))
+                assert found == [False] * 4 and took < 1.0 + NO_WAIT
+                assert not store.connected
+                for _ in range(10):
+                    found, took = _timed(lambda: store.lookup(keys))
+                    assert found == [False] * 4 and took < NO_WAIT
+                    out = [np.zeros_like(d) for d in data]
+                    loaded, took = _timed(lambda: store.wait(store.load(keys, out), 1))  # noqa: B023
+                    assert all(r.status is Status.MISS for r in loaded) and took < NO_WAIT
+                lab.link_up("m")
+                deadline = time.monotonic() + 30
+                while not store.connected and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert store.connected
+                out = [np.zeros_like(d) for d in data]  # the same master: its blocks are there
+                assert all(r.ok for r in store.wait(store.load(keys, out), 10))
+                for got, want in zip(out, data):
+                    np.testing.assert_array_equal(got, want)
+            finally:
+                store.close()
