@@ -4,6 +4,9 @@ For each block size, the same bytes go through
   * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
   * raw O_DIRECT file I/O and the posix store with ``o_direct``;
   * memcpy into and out of pre-faulted memory and the dram store;
+  * with ``--kind mooncake``: Mooncake's own client (``batch_put_from`` /
+    ``batch_get_into``, in batches as large as the store's) and the mooncake store, each on
+    a master and a segment server started for the run (or both on ``--master``);
 and the ratio store / baseline is printed per direction.  Each figure is the best of
 ``--repeat`` runs, so that a noisy neighbour lowers no ratio by chance.
 """
@@ -20,9 +23,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tqdm import tqdm
-from ucm.core.config import GIB, DramStoreConfig, PosixStoreConfig, default_store_path
+from ucm.core.config import (
+    GIB,
+    DramStoreConfig,
+    MooncakeStoreConfig,
+    PosixStoreConfig,
+    default_store_path,
+)
 from ucm.core.store import DramStore, PosixStore, Store
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
@@ -123,6 +133,87 @@ def _lookup_prefix_ms(store: Store, srcs: list, count: int = 512) -> float:
     return 1e3 * statistics.median(times)
 
 
+class _RawMooncake:
+    """Mooncake's client alone: the mooncake store's baseline, moving the same bytes."""
+
+    def __init__(self, master: str, segment_bytes: int) -> None:
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+        from ucm.core.store.mooncake import local_address
+
+        self.client = MooncakeDistributedStore()
+        host, port = master.rsplit(":", 1)
+        code = self.client.setup(
+            local_address(host, int(port)), "P2PHANDSHAKE", segment_bytes, 16 << 20, "tcp", "",
+            master,
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"Mooncake's client could not set up on {master}: {code}")
+
+    def run(self, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+        from ucm.core.store.mooncake import address
+
+        keys = [f"ucm-bench-raw/{os.urandom(16).hex()}" for _ in range(n)]
+        src_ptrs = [address(memoryview(b)) for b in srcs]
+        dst_ptrs = [address(memoryview(b)) for b in dsts]
+        size = len(srcs[0])
+        t0 = time.perf_counter()
+        for s in range(0, n, BATCH):
+            batch = keys[s : s + BATCH]
+            ptrs = [src_ptrs[i % len(srcs)] for i in range(s, s + len(batch))]
+            codes = self.client.batch_put_from(batch, ptrs, [size] * len(batch))
+            if any(codes):
+                raise RuntimeError(f"raw put failed: {sorted(set(codes))}")
+        t_dump = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for s in range(0, n, BATCH):
+            batch = keys[s : s + BATCH]
+            got = self.client.batch_get_into(batch, dst_ptrs[: len(batch)], [size] * len(batch))
+            if any(g != size for g in got):
+                raise RuntimeError(f"raw get failed: {sorted(set(got))}")
+        t_load = time.perf_counter() - t0
+        self.client.batch_remove(keys, True)
+        return t_dump, t_load
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _mooncake_cases(
+    args: argparse.Namespace, n: int, size: int, srcs: list, dsts: list
+) -> tuple[list[tuple[str, Callable[[], tuple[float, float]], str | None]], list[Any]]:
+    """Mooncake's own client and the mooncake store, each on a cluster of its own (a master
+    and a segment server holding the pool) unless ``--master`` names one: then both use it
+    and give it the memory themselves."""
+    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake_master import LocalMaster, SegmentServer
+
+    segment = int(1.25 * n * (size + 4096))
+    opened: list[Any] = []
+    if args.master is None:
+        # Blocks go to another process's memory, as to another host's, for both.
+        masters = [LocalMaster().start(), LocalMaster().start()]
+        opened += masters
+        for master in masters:
+            opened.append(SegmentServer(master.address, -(-segment >> 20)).start())
+        raw_master, store_master, own = masters[0].address, masters[1].address, 0
+    else:
+        raw_master, store_master, own = args.master, args.master, segment
+    raw = _RawMooncake(raw_master, own)
+    store = MooncakeStore(
+        MooncakeStoreConfig(
+            master=store_master, global_segment_gb=own / GIB, key_prefix="ucm-bench/"
+        )
+    )
+    opened = [raw, store, *reversed(opened)]  # closed in this order
+    if not store.connected:
+        raise RuntimeError(f"the mooncake store could not reach {store_master}")
+    cases: list[tuple[str, Callable[[], tuple[float, float]], str | None]] = [
+        ("raw mooncake", lambda: raw.run(srcs, dsts, n), None),
+        ("mooncake", lambda: through_store(store, srcs, dsts, n), "raw mooncake"),
+    ]
+    return cases, opened
+
+
 def run_store_bench(args: argparse.Namespace) -> int:
     own_dir = args.path is None
     # By default, beside the default store: the disk a store would use unless told otherwise.
@@ -144,18 +235,29 @@ def run_store_bench(args: argparse.Namespace) -> int:
             cases: list[tuple[str, Callable[[], tuple[float, float]], str | None]] = []
             raw_dir = os.path.join(root, "raw")
             os.makedirs(raw_dir, exist_ok=True)
-            posix = PosixStore(PosixStoreConfig(path=os.path.join(root, "posix")))
-            direct = PosixStore(PosixStoreConfig(path=os.path.join(root, "direct"), o_direct=True))
-            dram = DramStore(DramStoreConfig(capacity_gb=2 * n * size / GIB, preallocate=True))
             pool: list = []
-            cases = [
-                ("raw file", lambda: raw_file(raw_dir, srcs, dsts, n, False), None),
-                ("posix", lambda: through_store(posix, srcs, dsts, n), "raw file"),
-                ("raw O_DIRECT", lambda: raw_file(raw_dir, srcs, dsts, n, True), None),
-                ("posix O_DIRECT", lambda: through_store(direct, srcs, dsts, n), "raw O_DIRECT"),
-                ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
-                ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
-            ]
+            opened: list[Any] = []
+            if args.kind == "mooncake":
+                cases, opened = _mooncake_cases(args, n, size, srcs, dsts)
+            else:
+                posix = PosixStore(PosixStoreConfig(path=os.path.join(root, "posix")))
+                direct = PosixStore(
+                    PosixStoreConfig(path=os.path.join(root, "direct"), o_direct=True)
+                )
+                dram = DramStore(DramStoreConfig(capacity_gb=2 * n * size / GIB, preallocate=True))
+                opened = [posix, direct, dram]
+                cases = [
+                    ("raw file", lambda: raw_file(raw_dir, srcs, dsts, n, False), None),
+                    ("posix", lambda: through_store(posix, srcs, dsts, n), "raw file"),
+                    ("raw O_DIRECT", lambda: raw_file(raw_dir, srcs, dsts, n, True), None),
+                    (
+                        "posix O_DIRECT",
+                        lambda: through_store(direct, srcs, dsts, n),
+                        "raw O_DIRECT",
+                    ),
+                    ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
+                    ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
+                ]
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
             for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
@@ -181,9 +283,12 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     row["load_ratio"] = base[1] / best[1]
                 rows.append(row)
             if kib == args.block_kib[-1] or n >= 512:
-                summary.setdefault("lookup_prefix_512_ms", _lookup_prefix_ms(posix, srcs))
-            for store in (posix, direct, dram):
-                store.close()
+                store = opened[1] if args.kind == "mooncake" else opened[0]
+                summary.setdefault(
+                    f"lookup_prefix_512_ms ({args.kind})", _lookup_prefix_ms(store, srcs)
+                )
+            for thing in opened:
+                (thing.stop if hasattr(thing, "stop") else thing.close)()
             shutil.rmtree(raw_dir, ignore_errors=True)
     finally:
         if own_dir:
@@ -211,5 +316,7 @@ def _print(rows: list[dict[str, object]], summary: dict[str, object]) -> None:
             f"{label:>8}  {row['case']:<15} {row['dump_gbps']:>10.2f} "
             f"{row['load_gbps']:>10.2f} {ratios}"
         )
-    if "lookup_prefix_512_ms" in summary:
-        print(f"lookup_prefix of 512 keys (posix): {summary['lookup_prefix_512_ms']:.2f} ms")
+    for name, value in summary.items():
+        if name.startswith("lookup_prefix_512_ms"):
+            store = name.split("(")[1].rstrip(")")
+            print(f"lookup_prefix of 512 keys ({store}): {value:.2f} ms")

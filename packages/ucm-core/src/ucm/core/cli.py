@@ -175,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bstore = bench_sub.add_parser("store", help="store throughput against raw I/O and memcpy")
+    bstore = bench_sub.add_parser(
+        "store", help="store throughput against raw I/O, memcpy or Mooncake's own client"
+    )
     bstore.add_argument(
         "--path",
         help="directory to benchmark in (default: a temporary one beside the default store)",
@@ -192,6 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bstore.add_argument(
         "--repeat", type=int, default=3, help="runs per case, best kept (default 3)"
+    )
+    bstore.add_argument(
+        "--kind",
+        choices=["local", "mooncake"],
+        default="local",
+        help="local: posix and dram against file I/O and memcpy (default); mooncake: the "
+        "mooncake store against Mooncake's own client",
+    )
+    bstore.add_argument(
+        "--master",
+        help="with --kind mooncake: the master, HOST:PORT (default: one started for the run)",
     )
     bstore.add_argument("--json", action="store_true", help="end with one line of JSON")
     bstore.set_defaults(func=cmd_bench_store)

@@ -381,11 +381,18 @@ class MooncakeStoreConfig:
         default=0.5,
         validator=positive_number,
     )
-    io_threads: int = setting(
-        "Threads issuing transfers (each moves a batch of up to 16 blocks at a time).",
-        default=4,
-        validator=int_in_range(1, 64),
+    io_threads: int | None = setting(
+        "Threads issuing transfers, each moving up to 16 blocks per call. null: one per CPU "
+        "core this process may run on, at least 2 and at most 8.",
+        default=None,
+        validator=optional(int_in_range(1, 64)),
     )
+
+    @property
+    def io_thread_count(self) -> int:
+        if self.io_threads is not None:
+            return self.io_threads
+        return min(8, max(2, len(os.sched_getaffinity(0))))
 
     @property
     def master_host_port(self) -> tuple[str, int]:

@@ -292,7 +292,9 @@ class MooncakeStore(Store):
         if make_client is None:
             make_client = _mooncake_client_class()
         self._link = MasterLink(self.config, make_client)
-        self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="ucm-mooncake")
+        self._pool = ThreadPoolExecutor(
+            self.config.io_thread_count, thread_name_prefix="ucm-mooncake"
+        )
         # Lookups run here so that one can be given up on after timeout_s.
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="ucm-mooncake-lookup")
         self._lock = threading.Lock()
