@@ -254,9 +254,13 @@ def _drop_cuda_extras(session: nox.Session) -> None:
     )
 
 
-def _install_vllm(session: nox.Session) -> None:
+def _install_vllm(session: nox.Session, mooncake: bool = False) -> None:
     session.install(TORCH)
-    session.install("-e", CORE, "-e", KERNELS, "-e", f"{VLLM}[cpu]")
+    core = CORE
+    if mooncake:
+        _system_libraries(session)
+        core = f"{CORE}[mooncake]"
+    session.install("-e", core, "-e", KERNELS, "-e", f"{VLLM}[cpu]")
     _drop_cuda_extras(session)
 
 
@@ -274,6 +278,14 @@ def demo(session: nox.Session) -> None:
     a fresh warm process loads it, with time to first token for both."""
     _install_vllm(session)
     session.run("python", "-m", "ucm.vllm.demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def demo_cluster(session: nox.Session) -> None:
+    """Two vLLM hosts (network namespaces) sharing KV through a Mooncake cluster on a third:
+    A's cold and B's warm time to first token, B's hit tokens (needs root)."""
+    _install_vllm(session, mooncake=True)
+    session.run("python", "-m", "ucm.vllm.demo_cluster", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 DEMO_MODEL = {
@@ -56,6 +57,14 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def store_settings(store: str) -> dict[str, Any]:
+    """A posix store's directory, or a store's settings as JSON (``{"kind": ...}``)."""
+    if store.lstrip().startswith("{"):
+        settings: dict[str, Any] = json.loads(store)
+        return settings
+    return {"kind": "posix", "path": store}
+
+
 def make_llm(model: str, store: str | None, max_len: int) -> Any:
     """The engine every demo and benchmark run uses; ``store=None``: no connector."""
     from vllm import LLM
@@ -66,7 +75,7 @@ def make_llm(model: str, store: str | None, max_len: int) -> Any:
             "kv_connector": "UCMConnector",
             "kv_connector_module_path": "ucm.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"store": {"kind": "posix", "path": store}},
+            "kv_connector_extra_config": {"store": store_settings(store)},
         }
     return LLM(
         model=model,
@@ -118,9 +127,10 @@ def serve_once(
     }
 
 
-def run_child(module: str, *args: str) -> dict[str, Any]:
-    """``python -m module --role ARGS`` in a fresh process; its ``RESULT`` line as a dict."""
-    cmd = [sys.executable, "-m", module, "--role", *args]
+def run_child(module: str, *args: str, prefix: Sequence[str] = ()) -> dict[str, Any]:
+    """``python -m module --role ARGS`` in a fresh process (wrapped in ``prefix``, such as
+    ``ip netns exec HOST``); its ``RESULT`` line as a dict."""
+    cmd = [*prefix, sys.executable, "-m", module, "--role", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env())
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
