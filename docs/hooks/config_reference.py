@@ -131,7 +131,10 @@ def _describe(check: Any, name: str, anchors: dict[type, tuple[str, str]]) -> st
         classes = bound["cls"] if isinstance(bound["cls"], tuple) else (bound["cls"],)
         if all(c in anchors for c in classes):
             return "the settings of " + " or ".join(_link(c, anchors) for c in classes)
+        if classes == (str,):
+            return "a string"
     fixed = {
+        "non_negative_number": "≥ 0",
         "positive_number": "> 0",
         "fraction": "between 0 and 1 (exclusive)",
         "boolean": "`true` or `false`",

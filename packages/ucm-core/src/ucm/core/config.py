@@ -280,6 +280,9 @@ def _parse_host_port(value: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+_host_port.allowed = "`HOST:PORT` (an IPv6 host in brackets)"  # type: ignore[attr-defined]
+
+
 def _metadata_server(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value == "P2PHANDSHAKE":
         return
@@ -299,6 +302,11 @@ def _metadata_server(_inst: object, attribute: attrs.Attribute[Any], value: obje
     )
 
 
+_metadata_server.allowed = (  # type: ignore[attr-defined]
+    "`P2PHANDSHAKE`, or an `http://`, `etcd://` or `redis://` URL"
+)
+
+
 def _key_prefix(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if (
         not isinstance(value, str)
@@ -309,6 +317,9 @@ def _key_prefix(_inst: object, attribute: attrs.Attribute[Any], value: object) -
             attribute.name,
             f"must be a string of at most 128 printable characters, no spaces; got {value!r}",
         )
+
+
+_key_prefix.allowed = "at most 128 printable characters, no spaces"  # type: ignore[attr-defined]
 
 
 def non_negative_number(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -382,8 +393,9 @@ class MooncakeStoreConfig:
         validator=positive_number,
     )
     io_threads: int | None = setting(
-        "Threads issuing transfers, each moving up to 16 blocks per call. null: one per CPU "
-        "core this process may run on, at least 2 and at most 8.",
+        "Threads issuing transfers, each moving up to 128 blocks per call. null: one per two "
+        "CPU cores this process may run on, at least 1 and at most 8 (each transfer keeps a "
+        "core busy copying, and so does the peer it talks to).",
         default=None,
         validator=optional(int_in_range(1, 64)),
     )
@@ -392,7 +404,7 @@ class MooncakeStoreConfig:
     def io_thread_count(self) -> int:
         if self.io_threads is not None:
             return self.io_threads
-        return min(8, max(2, len(os.sched_getaffinity(0))))
+        return min(8, max(1, len(os.sched_getaffinity(0)) // 2))
 
     @property
     def master_host_port(self) -> tuple[str, int]:

@@ -50,9 +50,10 @@ from ucm.core.store.base import (
 
 log = logging.getLogger(__name__)
 
-#: Keys moved by one Mooncake call: large enough to amortize the master's round trip,
-#: small enough that a cancelled task stops soon and results arrive as blocks land.
-BATCH_KEYS = 16
+#: Keys moved by one Mooncake call: each call is a round trip to the master, which 16-key
+#: calls paid for with 10-15% of the throughput of 2 MiB blocks here (an engine step hands
+#: over up to about this many blocks; a cancel stops the calls not yet started).
+BATCH_KEYS = 128
 
 # Mooncake's error codes (mooncake-store/include/types.h) that this store tells apart.
 NO_AVAILABLE_HANDLE = -200  # the pool is full
