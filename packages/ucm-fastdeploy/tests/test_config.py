@@ -82,3 +82,17 @@ def test_process_environment_is_read_by_default(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="^AS_WRITE_SLICE_BLOCK_NUM"):
         load_config()
     assert os.environ["AS_WRITE_SLICE_BLOCK_NUM"] == "0"
+
+
+def test_a_store_that_cannot_hold_one_block_is_refused_when_built():
+    from fd_testing import make_store
+
+    # 3 layers x 2 (K, V) x 1 MiB = 6 MiB a block, in a 4 MiB DRAM store
+    with pytest.raises(ConfigError) as caught:
+        make_store(
+            "unused",
+            bytes_per_shard_layer_per_block=1 << 20,
+            ucm_config={"store": {"kind": "dram", "capacity_gb": 4 / 1024}},
+        )
+    assert caught.value.key == "store.capacity_gb"
+    assert "cannot hold one block" in str(caught.value)

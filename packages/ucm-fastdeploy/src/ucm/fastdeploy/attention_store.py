@@ -169,6 +169,12 @@ class AttentionStore:
         )
         self._owns_store = store is None
         self.store = create_store(self.settings.store) if store is None else store
+        try:  # a store that could never hold a block (K and V of every layer) is refused now
+            self.store.check_block_bytes(2 * c.layer_num * c.bytes_per_shard_layer_per_block)
+        except ConfigError:
+            if self._owns_store:
+                self.store.close()
+            raise
         self.residency = ResidencyIndex(self.settings.residency_index_blocks)
         self._mover = Mover(
             self.store,
