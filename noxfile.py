@@ -267,8 +267,9 @@ def _install_vllm(session: nox.Session, mooncake: bool = False) -> None:
 @nox.session(python=PYTHON)
 def bench_vllm(session: nox.Session) -> None:
     """vLLM with and without the connector: warm/cold time to first token, vLLM's floor plus
-    a raw read, and the overhead with no reuse; ratios of one run, JSON last."""
-    _install_vllm(session)
+    a raw read, and the overhead with no reuse; ratios of one run, JSON last (``-- --kind
+    mooncake``: on a Mooncake cluster started for the run)."""
+    _install_vllm(session, mooncake="mooncake" in session.posargs)
     session.run("python", "-m", "ucm.vllm.bench", "--json", *session.posargs)
 
 

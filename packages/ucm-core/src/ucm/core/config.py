@@ -322,6 +322,20 @@ def _key_prefix(_inst: object, attribute: attrs.Attribute[Any], value: object) -
 _key_prefix.allowed = "at most 128 printable characters, no spaces"  # type: ignore[attr-defined]
 
 
+def _protocol(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value == "rdma":
+        raise ConfigError(
+            attribute.name,
+            "'rdma' is not supported yet: RDMA moves only memory registered with the NIC, "
+            "and UCM does not register the engine's buffers; use 'tcp'",
+        )
+    if value != "tcp":
+        raise ConfigError(attribute.name, f"must be 'tcp', got {value!r}")
+
+
+_protocol.allowed = "`tcp`"  # type: ignore[attr-defined]
+
+
 def non_negative_number(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not _is_number(value) or not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
         raise ConfigError(attribute.name, f"must be a number >= 0, got {value!r}")
@@ -346,12 +360,13 @@ class MooncakeStoreConfig:
         validator=_metadata_server,
     )
     protocol: str = setting(
-        "Transfer protocol: 'tcp' (any host) or 'rdma' (needs an RDMA NIC and the RDMA wheel).",
+        "Transfer protocol: 'tcp'. ('rdma' is refused for now: RDMA moves only memory "
+        "registered with the NIC, and UCM does not register the engine's buffers yet.)",
         default="tcp",
-        validator=one_of("tcp", "rdma"),
+        validator=_protocol,
     )
     device: str = setting(
-        "RDMA device names, comma-separated (e.g. 'mlx5_0'); '' with tcp.",
+        "RDMA device names, comma-separated (e.g. 'mlx5_0'), handed to Mooncake; '' with tcp.",
         default="",
         validator=instance_of(str),
     )

@@ -7,9 +7,13 @@
 2. Overhead with no reuse: throughput of many distinct prompts with the connector against
    without it.
 
-Every engine runs in its own process with the same CPU thread settings.
+Every engine runs in its own process with the same CPU thread settings.  With ``--kind
+mooncake`` the store is a Mooncake cluster started for the run (a master and a segment
+server in other processes; the engines give the pool no memory), and the page-cache and raw
+read steps, which are about files, are skipped.
 
-    python -m ucm.vllm.bench [--tokens 4096] [--prompts 16] [--prompt-tokens 1024] [--json]
+    python -m ucm.vllm.bench [--kind posix|mooncake] [--tokens 4096] [--prompts 16]
+                             [--prompt-tokens 1024] [--json]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from ucm.vllm.demo import make_llm, random_prompt, run_child, serve_once, write_model
@@ -65,6 +70,21 @@ def throughput(model: str, store: str | None, prompts: int, tokens: int) -> dict
     return {"seconds": seconds, "tokens": prompts * (tokens + 16)}
 
 
+def _stores(kind: str, work: str, running: ExitStack) -> tuple[str, str]:
+    """The two stores of a run (reuse, then no reuse), as ``--store`` arguments."""
+    if kind == "posix":
+        return os.path.join(work, "store"), os.path.join(work, "store2")
+    from ucm.core.store.mooncake_master import LocalMaster, SegmentServer
+
+    master = running.enter_context(LocalMaster())
+    running.enter_context(SegmentServer(master.address, 2048))
+    settings = {"kind": "mooncake", "master": master.address, "global_segment_gb": 0}
+    return (
+        json.dumps({**settings, "key_prefix": "bench/"}),
+        json.dumps({**settings, "key_prefix": "bench2/"}),
+    )
+
+
 def _ttft(model: str, store: str | None, tokens: int) -> dict[str, Any]:
     args = ["--what", "ttft", "--model", model, "--tokens", str(tokens)]
     return run_child(MODULE, *args, *(["--store", store] if store else []))
@@ -79,25 +99,25 @@ def _tput(model: str, store: str | None, prompts: int, tokens: int) -> dict[str,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="ucm-bench-vllm-", dir=os.path.expanduser("~"))
     model = write_model(os.path.join(work, "model"))
-    store = os.path.join(work, "store")
-    report: dict[str, Any] = {"prompt_tokens": args.tokens}
-    try:
+    report: dict[str, Any] = {"prompt_tokens": args.tokens, "store_kind": args.kind}
+    with ExitStack() as running:
+        running.callback(shutil.rmtree, work, ignore_errors=True)
+        store, store2 = _stores(args.kind, work, running)
+        files = args.kind == "posix"
         print(f"[1/6] cold engine, {args.tokens}-token prompt ...", flush=True)
         cold = _ttft(model, store, args.tokens)
         print("[2/6] warm engine (fresh process) ...", flush=True)
         warm = _ttft(model, store, args.tokens)
         print("[3/6] warm engine, page cache dropped ...", flush=True)
-        dropped = drop_page_cache()
+        dropped = files and drop_page_cache()
         warm_cold_disk = _ttft(model, store, args.tokens) if dropped else None
         print("[4/6] raw read of the stored bytes ...", flush=True)
-        raw_dropped = drop_page_cache()
-        raw_s, raw_bytes = raw_read_seconds(store)
+        raw_dropped = files and drop_page_cache()
+        raw_s, raw_bytes = raw_read_seconds(store) if files else (0.0, 0)
         print("[5/6] throughput without the connector ...", flush=True)
         plain = _tput(model, None, args.prompts, args.prompt_tokens)
         print("[6/6] throughput with the connector (no reuse) ...", flush=True)
-        with_ucm = _tput(model, os.path.join(work, "store2"), args.prompts, args.prompt_tokens)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        with_ucm = _tput(model, store2, args.prompts, args.prompt_tokens)
     floor = cold["floor_s"]
     report.update(
         cold_ttft_s=cold["ttft_s"],
@@ -124,11 +144,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print(r: dict[str, Any]) -> None:
-    print(
-        f"\nprompt: {r['prompt_tokens']} tokens; "
-        f"stored KV read raw: {r['raw_read_bytes'] >> 20} MiB in {r['raw_read_s']:.3f} s "
-        f"({'cold' if r['raw_read_cold'] else 'page cache'})"
-    )
+    if r["store_kind"] == "posix":
+        where = (
+            f"stored KV read raw: {r['raw_read_bytes'] >> 20} MiB in {r['raw_read_s']:.3f} s "
+            f"({'cold' if r['raw_read_cold'] else 'page cache'})"
+        )
+    else:
+        where = "store: a Mooncake cluster (a master and a segment server of this run)"
+    print(f"\nprompt: {r['prompt_tokens']} tokens; {where}")
     print(f"  cold time to first token            {r['cold_ttft_s']:8.3f} s")
     print(
         f"  warm (fresh engine)                 {r['warm_ttft_s']:8.3f} s  "
@@ -139,10 +162,11 @@ def _print(r: dict[str, Any]) -> None:
             f"  warm, page cache dropped            {r['warm_dropped_ttft_s']:8.3f} s  "
             f"warm/cold {r['warm_dropped_over_cold']:.4f}"
         )
-    else:
+    elif r["store_kind"] == "posix":
         print("  warm, page cache dropped            not allowed on this machine")
     print(f"  vLLM floor (local prefix-cache hit) {r['floor_s']:8.3f} s")
-    print(f"  warm / (floor + raw read)           {r['warm_over_floor_plus_raw']:8.2f}")
+    if r["store_kind"] == "posix":
+        print(f"  warm / (floor + raw read)           {r['warm_over_floor_plus_raw']:8.2f}")
     print(f"  outputs match                       {r['outputs_match']}")
     print(
         f"no reuse: {r['throughput_plain_tok_s']:.0f} tok/s without, "
@@ -154,6 +178,13 @@ def _print(r: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--kind",
+        choices=["posix", "mooncake"],
+        default="posix",
+        help="the store: posix in a temporary directory (default), or a Mooncake cluster "
+        "started for the run",
     )
     parser.add_argument("--tokens", type=int, default=4096, help="prompt of the reuse test")
     parser.add_argument("--prompts", type=int, default=16, help="distinct prompts, overhead test")
