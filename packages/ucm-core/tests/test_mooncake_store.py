@@ -386,3 +386,41 @@ def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
                     np.testing.assert_array_equal(got, want)
             finally:
                 store.close()
+
+
+def test_a_slow_link_to_the_pool_is_slower_and_still_correct(tmp_path):
+    """The pool's host (master and segment server) sends through a token bucket of 20 Mbit/s:
+    loads take longer and return the stored bytes.  (This kernel has no netem, so latency
+    and loss cannot be injected; where it has, NetLab.netem does it.)"""
+    from ucm.core.netlab import NetLab, unavailable
+    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake_master import LocalMaster, SegmentServer
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"cannot make hosts as network namespaces: {reason}")
+    with NetLab(["m"]) as lab:
+        ns, host = lab.namespace("m"), lab.address("m")
+        master = LocalMaster(host, netns=ns, log_path=str(tmp_path / "master.log"))
+        with master, SegmentServer(master.address, 64, host, netns=ns):
+            store = MooncakeStore(mooncake_config(master, global_segment_gb=0))
+            try:
+                keys = [key(i, b"slow") for i in range(8)]
+                data = [blob(i, 250_000) for i in range(8)]
+                assert all(r.ok for r in store.wait(store.dump(keys, data), 30))
+                fast, fast_s = _timed(lambda: _load(store, keys, data))
+                lab.throttle("m", 20_000)
+                slow, slow_s = _timed(lambda: _load(store, keys, data))
+                lab.throttle("m", None)
+                assert fast and slow
+                print(f"8 x 250 kB loaded in {fast_s:.3f} s, {slow_s:.3f} s throttled")
+                assert slow_s > 0.5  # 2 MB at 20 Mbit/s: the throttle was real
+                assert store.connected
+            finally:
+                store.close()
+
+
+def _load(store, keys, data) -> bool:
+    out = [np.zeros_like(d) for d in data]
+    results = store.wait(store.load(keys, out), 60)
+    return all(r.ok for r in results) and all(np.array_equal(a, b) for a, b in zip(out, data))

@@ -162,3 +162,23 @@ def _wait_for(path: Path, engine, timeout: float = 300) -> None:
             raise AssertionError(f"engine exited with {engine.returncode}: {finish_engine(engine)}")
         assert time.monotonic() < deadline, f"{path.name} not reached in {timeout} s"
         time.sleep(0.1)
+
+
+def test_a_slow_link_to_the_pool_still_serves_correct_outputs(cluster, tiny_model, reference):
+    """Host m (master and pool) sends through a 5 Mbit/s token bucket: B's loads and dumps
+    are slow, its outputs are still those of vLLM alone.  (No netem in this kernel: no
+    latency or loss injected.)"""
+    lab, master, _ = cluster
+    lab.throttle("m", 5_000)
+    try:
+        run = run_engine(
+            {"model": tiny_model, "prompts": [Z[0]] * 3, "store": mooncake_store(master),
+             "fresh_prefix_cache": True},
+            prefix=lab.command("b", []),
+        )  # fmt: skip
+    finally:
+        lab.throttle("m", None)
+    assert_same_outputs(_only(reference, [RESTARTED_AT] * 3), run)
+    assert any(o["num_cached_tokens"] >= 768 for o in run["outputs"][1:]), [
+        o["num_cached_tokens"] for o in run["outputs"]
+    ]
