@@ -271,6 +271,25 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
     assert not (bench_dir / "raw").exists()
 
 
+def test_bench_store_mooncake_against_the_raw_client(tmp_path):
+    from core_helpers import mooncake_available
+
+    reason = mooncake_available()
+    if reason:
+        pytest.skip(reason)
+    done = ucm(
+        "bench", "store", "--kind", "mooncake", "--total-gb", "0.01", "--repeat", "1",
+        "--block-kib", "64", "--json", "--path", str(tmp_path / "bench"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    cases = {c["case"]: c for c in summary["cases"]}
+    assert list(cases) == ["raw mooncake", "mooncake"]
+    assert cases["mooncake"]["baseline"] == "raw mooncake"
+    assert cases["mooncake"]["dump_ratio"] > 0 and cases["mooncake"]["load_ratio"] > 0
+    assert summary["lookup_prefix_store"] == "mooncake" and summary["lookup_prefix_512_ms"] > 0
+
+
 def test_model_id_names_copies_alike(tmp_path, monkeypatch, capsys):
     import shutil
 

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
+from ucm.core.store.posix import pid_alive
+
 _PREFIX = "ucmlab"
 _BRIDGE_PREFIX = "ucmb"
 
@@ -52,22 +54,12 @@ def remove_stale() -> None:
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         match = re.fullmatch(rf"{_PREFIX}-(\d+)-\w+-\w+", name)
-        if match and not _alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             _ip("netns", "del", name, check=False)
     for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
         match = re.match(rf"\d+: ({_BRIDGE_PREFIX}[0-9a-f]{{4}})[:@]", line)
         if match and not _ip("link", "show", "master", match.group(1), check=False).stdout:
             _ip("link", "del", match.group(1), check=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class NetLab:

@@ -282,6 +282,31 @@ def _ranges(views: Sequence[memoryview]) -> tuple[list[int], list[int]]:
     return ptrs, sizes
 
 
+class _Call:
+    """The keys of one Mooncake call: the buffers of each (its header page first), and the
+    results of keys refused before the call or answered after it."""
+
+    def __init__(self, n: int) -> None:
+        self.results: list[KeyResult | None] = [None] * n
+        self.names: list[str] = []
+        self.ptrs: list[list[int]] = []
+        self.sizes: list[list[int]] = []
+        self.where: list[int] = []  # the key of each name
+
+    def add(self, index: int, name: str, views: Sequence[memoryview]) -> None:
+        ptrs, sizes = _ranges(views)
+        self.names.append(name)
+        self.ptrs.append(ptrs)
+        self.sizes.append(sizes)
+        self.where.append(index)
+
+    def refuse(self, index: int, exc: Exception) -> None:
+        self.results[index] = KeyResult(Status.ERROR, str(exc))
+
+    def finish(self) -> list[KeyResult]:
+        return [r if r is not None else KeyResult(Status.ERROR, "not moved") for r in self.results]
+
+
 class MooncakeStore(Store):
     def __init__(
         self,
@@ -375,33 +400,24 @@ class MooncakeStore(Store):
     def _put(
         self, client: Any, keys: list[bytes], payloads: list[Payload], layout: bytes
     ) -> list[KeyResult]:
-        results: list[KeyResult | None] = [None] * len(keys)
-        names: list[str] = []
-        all_ptrs: list[list[int]] = []
-        all_sizes: list[list[int]] = []
+        call = _Call(len(keys))
         headers: list[bytearray] = []  # kept alive until the call returns
-        where: list[int] = []
         for i, (key, payload) in enumerate(zip(keys, payloads)):
             try:
                 parts = payload.parts
-                header = bytearray(encode_header(key, parts, layout))
+                headers.append(bytearray(encode_header(key, parts, layout)))
             except (TypeError, ValueError) as exc:
-                results[i] = KeyResult(Status.ERROR, str(exc))
+                call.refuse(i, exc)
                 continue
-            headers.append(header)
-            ptrs, sizes = _ranges((memoryview(header), *parts))
-            names.append(self._name(key))
-            all_ptrs.append(ptrs)
-            all_sizes.append(sizes)
-            where.append(i)
-        if names:
+            call.add(i, self._name(key), (memoryview(headers[-1]), *parts))
+        if call.names:
             codes = client.batch_put_from_multi_buffers(
-                names, all_ptrs, all_sizes, self._replicate_config()
+                call.names, call.ptrs, call.sizes, self._replicate_config()
             )
             down = self._master_down(codes, "a put")
-            for i, code in zip(where, codes):
-                results[i] = self._put_result(code, payloads[i].nbytes, down)
-        return [r if r is not None else KeyResult(Status.ERROR, "not moved") for r in results]
+            for i, code in zip(call.where, codes):
+                call.results[i] = self._put_result(code, payloads[i].nbytes, down)
+        return call.finish()
 
     def _put_result(self, code: int, nbytes: int, down: bool) -> KeyResult:
         if code == 0 or code == OBJECT_ALREADY_EXISTS:
@@ -446,36 +462,25 @@ class MooncakeStore(Store):
     def _get(
         self, client: Any, keys: list[bytes], payloads: list[Payload], layout: bytes
     ) -> list[KeyResult]:
-        results: list[KeyResult | None] = [None] * len(keys)
-        pages = bytearray(HEADER_BYTES * len(keys))
-        page_views = [
-            memoryview(pages)[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(len(keys))
-        ]
-        names: list[str] = []
-        all_ptrs: list[list[int]] = []
-        all_sizes: list[list[int]] = []
-        where: list[int] = []
-        part_lists: dict[int, tuple[memoryview, ...]] = {}
+        call = _Call(len(keys))
+        pages = memoryview(bytearray(HEADER_BYTES * len(keys)))
+        page_of = [pages[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(len(keys))]
+        parts_of: dict[int, tuple[memoryview, ...]] = {}
         for i, (key, payload) in enumerate(zip(keys, payloads)):
             try:
-                parts = payload.parts
+                parts_of[i] = payload.parts
             except (TypeError, ValueError) as exc:
-                results[i] = KeyResult(Status.ERROR, str(exc))
+                call.refuse(i, exc)
                 continue
-            part_lists[i] = parts
-            ptrs, sizes = _ranges((page_views[i], *parts))
-            names.append(self._name(key))
-            all_ptrs.append(ptrs)
-            all_sizes.append(sizes)
-            where.append(i)
-        if names:
-            codes = client.batch_get_into_multi_buffers(names, all_ptrs, all_sizes)
+            call.add(i, self._name(key), (page_of[i], *parts_of[i]))
+        if call.names:
+            codes = client.batch_get_into_multi_buffers(call.names, call.ptrs, call.sizes)
             down = self._master_down(codes, "a get")
-            for i, code in zip(where, codes):
-                results[i] = self._get_result(
-                    client, keys[i], code, page_views[i], part_lists[i], payloads[i], layout, down
+            for i, code in zip(call.where, codes):
+                call.results[i] = self._get_result(
+                    client, keys[i], code, page_of[i], parts_of[i], payloads[i], layout, down
                 )
-        return [r if r is not None else KeyResult(Status.ERROR, "not moved") for r in results]
+        return call.finish()
 
     def _get_result(
         self,

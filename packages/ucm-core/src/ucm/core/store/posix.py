@@ -107,7 +107,8 @@ class ScanResult:
         return sum(b.size for b in self.blocks)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -123,7 +124,7 @@ def _temp_is_stale(name: str, mtime: float, now: float, host: str, stale_seconds
         return True
     parts = name[1:].split("~")
     if len(parts) == 4 and parts[1] == host and parts[2].isdigit():
-        return int(parts[2]) != os.getpid() and not _pid_alive(int(parts[2]))
+        return int(parts[2]) != os.getpid() and not pid_alive(int(parts[2]))
     return False
 
 
