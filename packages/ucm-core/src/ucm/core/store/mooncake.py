@@ -67,6 +67,8 @@ RPC_TIMEOUT = -901
 MASTER_DOWN = frozenset({RPC_FAIL, RPC_TIMEOUT, -1010, -1011})
 
 _UNREACHABLE = "mooncake master unreachable"
+_DROPPED = KeyResult(Status.ERROR, _UNREACHABLE)  # a dump while the master is down
+_UNANSWERED = KeyResult(Status.MISS, _UNREACHABLE)  # a load while the master is down
 
 
 class MasterLink:
@@ -360,20 +362,44 @@ class MooncakeStore(Store):
         if self._closed:
             raise RuntimeError("the mooncake store is closed")
 
-    def _submit(self, task: Task, work: Callable[[Any, Sequence[int]], list[KeyResult]]) -> Task:
-        for start in range(0, len(task), BATCH_KEYS):
-            indices = range(start, min(start + BATCH_KEYS, len(task)))
-            self._pool.submit(task.run_keys, indices, functools.partial(self._moved, work, indices))
+    def _start(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[object],
+        layout: bytes,
+        move: Callable[[Any, list[bytes], list[Payload], bytes], list[KeyResult]],
+        *,
+        writable: bool,
+        down: KeyResult,
+    ) -> Task:
+        """A dump or load: ``move`` runs on the transfer threads, ``BATCH_KEYS`` keys a call;
+        keys find ``down`` instead while the master is down."""
+        self._check_open()
+        payloads = check_batch(keys, buffers, writable=writable)
+        if self._link.client is None:
+            self._count(dropped=len(keys))
+            return Task.completed([down] * len(keys))
+        task = Task(len(keys))
+        for start in range(0, len(keys), BATCH_KEYS):
+            indices = range(start, min(start + BATCH_KEYS, len(keys)))
+            batch = ([bytes(keys[i]) for i in indices], [payloads[i] for i in indices])
+            self._pool.submit(
+                task.run_keys, indices, functools.partial(self._moved, move, batch, layout, down)
+            )
         return task
 
     def _moved(
-        self, work: Callable[[Any, Sequence[int]], list[KeyResult]], indices: Sequence[int]
+        self,
+        move: Callable[[Any, list[bytes], list[Payload], bytes], list[KeyResult]],
+        batch: tuple[list[bytes], list[Payload]],
+        layout: bytes,
+        down: KeyResult,
     ) -> list[KeyResult]:
         client = self._link.client
-        if client is None:
-            self._count(dropped=len(indices))
-            return [KeyResult(Status.ERROR, _UNREACHABLE)] * len(indices)
-        return work(client, indices)
+        if client is None:  # went down since the task started
+            self._count(dropped=len(batch[0]))
+            return [down] * len(batch[0])
+        return move(client, *batch, layout)
 
     def _master_down(self, codes: Sequence[int], what: str) -> bool:
         down = next((c for c in codes if c in MASTER_DOWN), None)
@@ -384,18 +410,7 @@ class MooncakeStore(Store):
     # -- dump --
 
     def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
-        self._check_open()
-        payloads = check_batch(keys, buffers, writable=False)
-        if self._link.client is None:
-            self._count(dropped=len(keys))
-            return Task.completed([KeyResult(Status.ERROR, _UNREACHABLE)] * len(keys))
-
-        def work(client: Any, indices: Sequence[int]) -> list[KeyResult]:
-            return self._put(
-                client, [bytes(keys[i]) for i in indices], [payloads[i] for i in indices], layout
-            )
-
-        return self._submit(Task(len(keys)), work)
+        return self._start(keys, buffers, layout, self._put, writable=False, down=_DROPPED)
 
     def _put(
         self, client: Any, keys: list[bytes], payloads: list[Payload], layout: bytes
@@ -428,7 +443,7 @@ class MooncakeStore(Store):
             return KeyResult(Status.OK)
         if down:
             self._count(dropped=1)
-            return KeyResult(Status.ERROR, _UNREACHABLE)
+            return _DROPPED
         self._count(errors=1)
         if code == NO_AVAILABLE_HANDLE:
             return KeyResult(Status.ERROR, "the mooncake pool is full (no segment has room)")
@@ -446,18 +461,7 @@ class MooncakeStore(Store):
     # -- load --
 
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
-        self._check_open()
-        payloads = check_batch(keys, buffers, writable=True)
-        if self._link.client is None:
-            self._count(dropped=len(keys))
-            return Task.completed([KeyResult(Status.MISS, _UNREACHABLE)] * len(keys))
-
-        def work(client: Any, indices: Sequence[int]) -> list[KeyResult]:
-            return self._get(
-                client, [bytes(keys[i]) for i in indices], [payloads[i] for i in indices], layout
-            )
-
-        return self._submit(Task(len(keys)), work)
+        return self._start(keys, buffers, layout, self._get, writable=True, down=_UNANSWERED)
 
     def _get(
         self, client: Any, keys: list[bytes], payloads: list[Payload], layout: bytes
@@ -498,7 +502,7 @@ class MooncakeStore(Store):
         if code < 0:
             if down:
                 self._count(dropped=1)
-                return KeyResult(Status.MISS, _UNREACHABLE)
+                return _UNANSWERED
             self._count(errors=1)
             if code in (INVALID_PARAMS, TRANSFER_FAIL):  # the buffers may not fit the object
                 return self._not_fitting(client, key, payload.nbytes)

@@ -9,6 +9,7 @@ connections, and stop it by its pid.  ``netns`` runs it inside a network namespa
 
 from __future__ import annotations
 
+import abc
 import os
 import shutil
 import signal
@@ -39,7 +40,7 @@ def master_binary(name: str = "mooncake_master") -> str:
     return found
 
 
-class _Daemon:
+class _Daemon(abc.ABC):
     """A Mooncake process listening on ``host:port``."""
 
     def __init__(
@@ -63,8 +64,9 @@ class _Daemon:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @abc.abstractmethod
     def _command(self) -> list[str]:
-        raise NotImplementedError
+        """The daemon's command line."""
 
     def start(self, timeout: float = 20.0) -> Self:
         command = [*self._command(), *self.extra_args]
