@@ -83,7 +83,7 @@ class TieredStore(Store):
                 n += 1
                 continue
             # The backing store holds every dumped key unless it evicted it: ask it for the
-            # run of keys up to the next DRAM hit in one call.
+            # run of keys up to the next local hit in one call.
             end = next((j for j in range(n, len(keys)) if in_front[j]), len(keys))
             found = self.backing.lookup_prefix(keys[n:end])
             n += found
@@ -110,7 +110,7 @@ class TieredStore(Store):
             raise ConfigError(exc.key.replace("store.", "store.backing.", 1), exc.problem) from None
 
     def usage(self) -> StoreUsage:
-        """The backing store's usage: the DRAM tier only caches what it holds."""
+        """The backing store's usage: the local tier only caches what it holds."""
         return self.backing.usage()
 
     def close(self) -> None:
