@@ -187,6 +187,37 @@ def build(session: nox.Session) -> None:
     session.run("twine", "check", "--strict", *(str(p) for p in sorted(dist.iterdir())))
 
 
+# extras that resolve only with another index: Paddle's 3.x GPU wheels are not on PyPI
+EXTRA_INDEXES = {(FASTDEPLOY, "gpu"): "https://www.paddlepaddle.org.cn/packages/stable/cu126/"}
+
+
+@nox.session(python=PYTHON)
+def check_extras(session: nox.Session) -> None:
+    """pip resolves every extra of every distribution from the wheels built now (``pip
+    install --dry-run``: nothing is installed); the ones that fail are named at the end."""
+    import tomllib
+    from nox.command import CommandFailed
+
+    wheels = _build(session, PACKAGES, Path(session.create_tmp()) / "dist")
+    failed = []
+    for package, wheel in wheels.items():
+        project = tomllib.loads(Path(package, "pyproject.toml").read_text())["project"]
+        for extra in project.get("optional-dependencies", {}):
+            index = EXTRA_INDEXES.get((package, extra))
+            try:
+                session.run(
+                    "python", "-m", "pip", "install", "--dry-run", "--ignore-installed",
+                    "--quiet", "--find-links", str(wheel.parent),
+                    *(["--extra-index-url", index] if index else []), f"{wheel}[{extra}]",
+                )  # fmt: skip
+            except CommandFailed:
+                failed.append(
+                    f"{Path(package).name}[{extra}]" + (f" (with {index})" if index else "")
+                )
+    if failed:
+        session.error(f"these extras do not resolve here: {', '.join(failed)}")
+
+
 @nox.session(python=PYTHON, reuse_venv=False)
 def smoke_wheels(session: nox.Session) -> None:
     """A fresh environment with the built wheels alone (no checkout on the path): the core

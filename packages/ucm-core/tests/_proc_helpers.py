@@ -48,9 +48,13 @@ def temp_files(root: str) -> list[str]:
 
 
 def _store(cfg: dict):
-    from ucm.core.config import PosixStoreConfig
-    from ucm.core.store import PosixStore
+    from ucm.core.config import DramStoreConfig, PosixStoreConfig
+    from ucm.core.store import PosixStore, SharedMemoryStore
 
+    if cfg.get("dram"):  # a host-scope dram store: a posix store in shared memory
+        return SharedMemoryStore(
+            DramStoreConfig(path=cfg["root"], capacity_gb=cfg.get("capacity_gb") or 1.0)
+        )
     return PosixStore(
         PosixStoreConfig(
             path=cfg["root"],

@@ -246,7 +246,7 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
     assert summary["total_gb"] == 0.01
     cases = summary["cases"]
     assert [c["case"] for c in cases] == [
-        "raw file", "posix", "raw O_DIRECT", "posix O_DIRECT", "memcpy", "dram",
+        "raw file", "posix", "raw O_DIRECT", "posix O_DIRECT", "memcpy", "dram", "dram shared",
     ]  # fmt: skip
     blocks = max(128, int(0.01 * GIB) // (64 * 1024))
     for case in cases:
@@ -256,7 +256,7 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
     assert baselines == {
         "raw file": None, "posix": "raw file",
         "raw O_DIRECT": None, "posix O_DIRECT": "raw O_DIRECT",
-        "memcpy": None, "dram": "memcpy",
+        "memcpy": None, "dram": "memcpy", "dram shared": "memcpy",
     }  # fmt: skip
     for case in cases:
         if case.get("baseline"):

@@ -11,7 +11,7 @@ from ucm.core.config import (
     parse_store_config,
     with_config_file,
 )
-from ucm.core.store import DramStore, PosixStore, TieredStore, create_store
+from ucm.core.store import DramStore, PosixStore, SharedMemoryStore, TieredStore, create_store
 
 
 def test_default_is_posix_under_xdg_cache(monkeypatch, tmp_path):
@@ -23,16 +23,19 @@ def test_default_is_posix_under_xdg_cache(monkeypatch, tmp_path):
     assert default_store_path() == os.path.join(os.path.expanduser("~"), ".cache", "ucm")
 
 
-def test_each_kind_builds_its_store(tmp_path):
+def test_each_kind_builds_its_store(tmp_path, shm_dir):
     posix = create_store({"kind": "posix", "path": str(tmp_path / "p"), "capacity_gb": 1})
-    dram = create_store({"kind": "dram", "capacity_gb": 0.5})
+    shared = create_store({"kind": "dram", "capacity_gb": 0.5, "path": str(shm_dir / "d")})
+    private = create_store({"kind": "dram", "capacity_gb": 0.5, "scope": "process"})
     tiered = create_store(
-        {"kind": "tiered", "dram": {"capacity_gb": 0.1}, "backing": {"path": str(tmp_path / "t")}}
-    )
+        {"kind": "tiered", "dram": {"capacity_gb": 0.1, "path": str(shm_dir / "t")},
+         "backing": {"path": str(tmp_path / "t")}}
+    )  # fmt: skip
     assert isinstance(posix, PosixStore) and posix.usage().capacity_bytes == 1 << 30
-    assert isinstance(dram, DramStore) and dram.usage().capacity_bytes == (1 << 30) // 2
+    assert isinstance(shared, SharedMemoryStore) and shared.usage().capacity_bytes == 1 << 29
+    assert isinstance(private, DramStore) and private.usage().capacity_bytes == 1 << 29
     assert isinstance(tiered, TieredStore)
-    for store in (posix, dram, tiered):
+    for store in (posix, shared, private, tiered):
         store.close()
 
 
@@ -83,7 +86,7 @@ INVALID = [
     ({"kind": "posix", "stale_temp_seconds": -5}, "store.stale_temp_seconds", "positive"),
     ({"kind": "dram"}, None, None),  # valid: defaults
     ({"kind": "dram", "capacity_gb": None}, "store.capacity_gb", "positive number"),
-    ({"kind": "dram", "path": "/x"}, "store.path", "unknown setting; allowed: capacity_gb, kind"),
+    ({"kind": "dram", "size": 1}, "store.size", "unknown setting; allowed: capacity_gb, kind"),
     ({"kind": "tiered", "dram": 4}, "store.dram", "mapping"),
     ({"kind": "tiered", "dram": {"capacity_gb": -2}}, "store.dram.capacity_gb", "positive"),
     ({"kind": "tiered", "dram": {"kind": "posix"}}, "store.dram.kind", "'dram'"),

@@ -35,7 +35,7 @@ def test_dram_mixed_sizes_under_pressure(preallocate):
     from ucm.core.store.dram import SLAB_BYTES
 
     cap = 2 * SLAB_BYTES
-    s = DramStore(DramStoreConfig(capacity_gb=cap / GIB, preallocate=preallocate))
+    s = DramStore(DramStoreConfig(capacity_gb=cap / GIB, scope="process", preallocate=preallocate))
     sizes = [SLAB_BYTES // 3, SLAB_BYTES // 7, 12345, SLAB_BYTES // 2]
     for i in range(60):
         size = sizes[i % len(sizes)]

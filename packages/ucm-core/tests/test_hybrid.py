@@ -239,8 +239,13 @@ def test_split_posix(tmp_path):
 
 
 def test_split_dram_and_tiered(tmp_path):
-    fa, wa = split_store_config(DramStoreConfig(capacity_gb=8, preallocate=True), 0.25)
+    private = DramStoreConfig(capacity_gb=8, scope="process", preallocate=True)
+    fa, wa = split_store_config(private, 0.25)
     assert (fa.capacity_gb, wa.capacity_gb, fa.preallocate) == (6, 2, True)
+    assert fa.path == wa.path  # process memory has no path
+    fa, wa = split_store_config(DramStoreConfig(capacity_gb=8, path="/dev/shm/u"), 0.25)
+    assert (fa.capacity_gb, wa.capacity_gb) == (6, 2)
+    assert (fa.path, wa.path) == ("/dev/shm/u/fa", "/dev/shm/u/wa")  # shared memory: apart
     tiered = TieredStoreConfig(
         dram=DramStoreConfig(capacity_gb=4),
         backing=PosixStoreConfig(path=str(tmp_path), capacity_gb=100),

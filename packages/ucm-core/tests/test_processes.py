@@ -155,13 +155,22 @@ CRASH_CONFIGS = [
 ]
 
 
-def test_writer_killed_at_random_moments_leaves_only_whole_blocks(tmp_path):
-    root = tmp_path / "store"
+@pytest.fixture(params=["disk", "shared memory"])
+def medium(request, tmp_path):
+    """(the store's folder, the children's settings): a posix store on the test's disk, or
+    a dram store of scope host (the same code on /dev/shm)."""
+    if request.param == "disk":
+        return tmp_path / "store", {}
+    return request.getfixturevalue("shm_dir"), {"dram": True}
+
+
+def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
+    root, medium_cfg = medium
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     for i in range(CRASH_KILLS):
         cfg = dict(CRASH_CONFIGS[i % len(CRASH_CONFIGS)])
-        cfg.update(root=str(root), seed=rng.getrandbits(32), n_keys=CRASH_KEYS)
+        cfg.update(root=str(root), seed=rng.getrandbits(32), n_keys=CRASH_KEYS, **medium_cfg)
         cfg.update(max_size=CRASH_MAX_SIZE)
         proc = child("crash", cfg)
         try:
@@ -502,8 +511,8 @@ STRESS_MAX_SIZE = 64 * 1024
 
 
 @pytest.mark.parametrize("capacity", [None, 3 << 20], ids=["unlimited", "evicting"])
-def test_concurrent_processes_dump_and_load_overlapping_keys(tmp_path, capacity):
-    root = tmp_path / "store"
+def test_concurrent_processes_dump_and_load_overlapping_keys(medium, capacity):
+    root, medium_cfg = medium
     configs = [
         {"fsync": "never", "o_direct": False, "io_threads": 4},
         {"fsync": "never", "o_direct": True, "io_threads": 2},
@@ -513,7 +522,7 @@ def test_concurrent_processes_dump_and_load_overlapping_keys(tmp_path, capacity)
     procs = []
     try:
         for i in range(STRESS_PROCESSES):
-            cfg = dict(configs[i % len(configs)], root=str(root), seed=1000 + i)
+            cfg = dict(configs[i % len(configs)], root=str(root), seed=1000 + i, **medium_cfg)
             cfg.update(n_keys=STRESS_KEYS, max_size=STRESS_MAX_SIZE, seconds=STRESS_SECONDS)
             cfg["capacity_gb"] = capacity / GIB if capacity else None
             procs.append(child("stress", cfg, stdin=subprocess.PIPE))

@@ -1,8 +1,9 @@
-"""The promises every store kind keeps (base.Store): one suite over posix, dram, tiered,
-mooncake, and a tiered store over mooncake."""
+"""The promises every store kind keeps (base.Store): one suite over posix, dram (shared
+memory, and one process's memory), tiered, mooncake, and tiered stores over mooncake."""
 
 import threading
 
+import attrs
 import numpy as np
 import pytest
 from core_helpers import blob, key, mooncake_config
@@ -15,17 +16,27 @@ from ucm.core.config import (
 )
 from ucm.core.store import Status, create_store
 
-KINDS = ["posix", "dram", "tiered", "mooncake", "tiered-mooncake", "posix-over-mooncake"]
+KINDS = [
+    "posix",
+    "dram",
+    "dram-process",
+    "tiered",
+    "mooncake",
+    "tiered-mooncake",
+    "posix-over-mooncake",
+]
 
 
 def store_config(kind, tmp_path, request, **posix):
     if kind == "posix":
         return PosixStoreConfig(path=str(tmp_path / "p"), **posix)
     if kind == "dram":
-        return DramStoreConfig(capacity_gb=0.0625)
+        return shared_dram(request)
+    if kind == "dram-process":
+        return DramStoreConfig(capacity_gb=0.0625, scope="process")
     if kind == "tiered":
         return TieredStoreConfig(
-            dram=DramStoreConfig(capacity_gb=0.0625),
+            dram=shared_dram(request),
             backing=PosixStoreConfig(path=str(tmp_path / "t"), **posix),
         )
     master = request.getfixturevalue("mooncake_master")
@@ -36,9 +47,11 @@ def store_config(kind, tmp_path, request, **posix):
             local=PosixStoreConfig(path=str(tmp_path / "local"), **posix),
             backing=mooncake_config(master),
         )
-    return TieredStoreConfig(
-        dram=DramStoreConfig(capacity_gb=0.0625), backing=mooncake_config(master)
-    )
+    return TieredStoreConfig(dram=shared_dram(request), backing=mooncake_config(master))
+
+
+def shared_dram(request, capacity_gb=0.0625):
+    return DramStoreConfig(capacity_gb=capacity_gb, path=str(request.getfixturevalue("shm_dir")))
 
 
 @pytest.fixture(params=KINDS)
@@ -170,12 +183,14 @@ def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, re
     small = {
         "posix": {"capacity_gb": 1.5 / 1024},
         "dram": {"capacity_gb": 1.5 / 1024},
+        "dram-process": {"capacity_gb": 1.5 / 1024},
         "mooncake": {"global_segment_gb": 1.5 / 1024},
     }
     config = store_config(kind, tmp_path, request)
     expected = {
         "posix": "store.capacity_gb",
         "dram": "store.capacity_gb",
+        "dram-process": "store.capacity_gb",
         "tiered": "store.dram.capacity_gb",
         "mooncake": "store.global_segment_gb",
         "tiered-mooncake": "store.dram.capacity_gb",
@@ -185,9 +200,10 @@ def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, re
         local = PosixStoreConfig(path=config.local.path, **small["posix"])
         config = TieredStoreConfig(local=local, backing=config.backing)
     elif kind.startswith("tiered"):
-        config = TieredStoreConfig(dram=DramStoreConfig(**small["dram"]), backing=config.backing)
+        dram = attrs.evolve(config.dram, **small["dram"])
+        config = TieredStoreConfig(dram=dram, backing=config.backing)
     else:
-        config = type(config)(**{**_fields(config), **small[kind]})
+        config = attrs.evolve(config, **small[kind])
     store = create_store(config)
     try:
         store.check_block_bytes(1 << 20)  # fits
@@ -199,9 +215,3 @@ def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, re
         )
     finally:
         store.close()
-
-
-def _fields(config) -> dict:
-    import attrs
-
-    return attrs.asdict(config, recurse=False)

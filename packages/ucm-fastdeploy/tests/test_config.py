@@ -92,7 +92,7 @@ def test_a_store_that_cannot_hold_one_block_is_refused_when_built():
         make_store(
             "unused",
             bytes_per_shard_layer_per_block=1 << 20,
-            ucm_config={"store": {"kind": "dram", "capacity_gb": 4 / 1024}},
+            ucm_config={"store": {"kind": "dram", "capacity_gb": 4 / 1024, "scope": "process"}},
         )
     assert caught.value.key == "store.capacity_gb"
     assert "cannot hold one block" in str(caught.value)

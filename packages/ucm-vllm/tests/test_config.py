@@ -26,6 +26,8 @@ def test_defaults_and_store():
         ),
         ({"model_fingerprint": ""}, "kv_connector_extra_config.model_fingerprint"),
         ({"recompute_on_load_error": "yes"}, "kv_connector_extra_config.recompute_on_load_error"),
+        # a store private to one process: vLLM's scheduler would never see the workers' blocks
+        ({"store": {"kind": "dram", "scope": "process"}}, "kv_connector_extra_config.store.scope"),
     ],
 )
 def test_bad_settings_name_the_key(extra, key):

@@ -3,7 +3,8 @@
 For each block size, the same bytes go through
   * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
   * raw O_DIRECT file I/O and the posix store with ``o_direct``;
-  * memcpy into and out of pre-faulted memory and the dram store;
+  * memcpy into and out of pre-faulted memory, the dram store (scope process) and the dram
+    store in shared memory (scope host, what vLLM uses);
   * with ``--kind mooncake``: Mooncake's own client (``batch_put_from`` /
     ``batch_get_into``, in batches as large as the store's) and the mooncake store, each on
     a master and a segment server started for the run (or both on ``--master``);
@@ -33,7 +34,7 @@ from ucm.core.config import (
     PosixStoreConfig,
     default_store_path,
 )
-from ucm.core.store import DramStore, PosixStore, Store
+from ucm.core.store import DramStore, PosixStore, SharedMemoryStore, Store
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -245,8 +246,18 @@ def run_store_bench(args: argparse.Namespace) -> int:
                 direct = PosixStore(
                     PosixStoreConfig(path=os.path.join(root, "direct"), o_direct=True)
                 )
-                dram = DramStore(DramStoreConfig(capacity_gb=2 * n * size / GIB, preallocate=True))
-                opened = [posix, direct, dram]
+                dram = DramStore(
+                    DramStoreConfig(
+                        capacity_gb=2 * n * size / GIB, scope="process", preallocate=True
+                    )
+                )
+                # the dram store vLLM uses (scope host): its folder is in shared memory
+                shared = SharedMemoryStore(
+                    DramStoreConfig(
+                        capacity_gb=2 * n * size / GIB, path=f"/dev/shm/ucm-bench-{os.getpid()}"
+                    )
+                )
+                opened = [posix, direct, dram, shared]
                 cases = [
                     ("raw file", lambda: raw_file(raw_dir, srcs, dsts, n, False), None),
                     ("posix", lambda: through_store(posix, srcs, dsts, n), "raw file"),
@@ -258,6 +269,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     ),
                     ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
                     ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
+                    ("dram shared", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
                 ]
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
@@ -289,6 +301,8 @@ def run_store_bench(args: argparse.Namespace) -> int:
                 summary["lookup_prefix_store"] = "mooncake" if args.kind == "mooncake" else "posix"
             for thing in opened:
                 (thing.stop if hasattr(thing, "stop") else thing.close)()
+                if isinstance(thing, SharedMemoryStore):
+                    shutil.rmtree(thing.dram_config.path, ignore_errors=True)
             shutil.rmtree(raw_dir, ignore_errors=True)
     finally:
         if own_dir:

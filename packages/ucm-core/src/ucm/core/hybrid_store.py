@@ -146,7 +146,12 @@ def _split_dram(
     config: DramStoreConfig, wa_fraction: float
 ) -> tuple[DramStoreConfig, DramStoreConfig]:
     fa_gb, wa_gb = _split_gb(config.capacity_gb, wa_fraction)
-    return attrs.evolve(config, capacity_gb=fa_gb), attrs.evolve(config, capacity_gb=wa_gb)
+    if config.scope == "process":
+        return attrs.evolve(config, capacity_gb=fa_gb), attrs.evolve(config, capacity_gb=wa_gb)
+    return (
+        attrs.evolve(config, path=os.path.join(config.path, FA_SUBDIR), capacity_gb=fa_gb),
+        attrs.evolve(config, path=os.path.join(config.path, WA_SUBDIR), capacity_gb=wa_gb),
+    )
 
 
 def _split_mooncake(
@@ -183,9 +188,9 @@ def split_store_config(
     """The (full-attention, window) store configurations made from one.
 
     posix: subdirectories ``fa`` and ``wa`` of its path, the capacity split (no limit stays no
-    limit); dram: the capacity split; mooncake: key prefixes ``fa/`` and ``wa/``, the segment
-    split; tiered: both tiers split.  The two capacities never add
-    up to more than the original.  ``wa_fraction`` is the window store's share, in (0, 1).
+    limit); dram: the capacity split (and the path, in shared memory); mooncake: key prefixes
+    ``fa/`` and ``wa/``, the segment split; tiered: both tiers split.  The two capacities
+    never add up to more than the original.  ``wa_fraction`` is the window store's share, in (0, 1).
     """
     if (
         isinstance(wa_fraction, bool)

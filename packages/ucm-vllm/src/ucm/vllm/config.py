@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 from ucm.core.config import (
     ConfigError,
+    DramStoreConfig,
     StoreConfig,
     boolean,
     from_dict,
@@ -93,6 +94,17 @@ class ConnectorConfig:
         default=True,
         validator=boolean,
     )
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.store, DramStoreConfig) and self.store.scope == "process":
+            # vLLM asks its scheduler process what is stored and moves blocks in its worker
+            # processes: a store private to one process is empty in the other, never a hit.
+            raise ConfigError(
+                "store.scope",
+                "'process' cannot hit under vLLM: its scheduler looks blocks up in one "
+                "process and its workers store them in others; use scope 'host' (shared "
+                "memory, the default)",
+            )
 
 
 def connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -16,6 +16,7 @@ from ucm.core.config import (
 from ucm.core.store.base import KeyResult, Payload, Status, Store, StoreUsage, Task
 from ucm.core.store.dram import DramStore
 from ucm.core.store.posix import PosixStore
+from ucm.core.store.shm import SharedMemoryStore
 from ucm.core.store.tiered import TieredStore
 
 
@@ -26,7 +27,7 @@ def create_store(config: StoreConfig | Mapping[str, Any] | None = None) -> Store
     if isinstance(config, PosixStoreConfig):
         return PosixStore(config)
     if isinstance(config, DramStoreConfig):
-        return DramStore(config)
+        return DramStore(config) if config.scope == "process" else SharedMemoryStore(config)
     if isinstance(config, MooncakeStoreConfig):
         from ucm.core.store.mooncake import MooncakeStore  # imports Mooncake's client
 
@@ -43,6 +44,7 @@ __all__ = [
     "KeyResult",
     "Payload",
     "PosixStore",
+    "SharedMemoryStore",
     "Status",
     "Store",
     "StoreUsage",

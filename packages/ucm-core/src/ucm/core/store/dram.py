@@ -1,4 +1,5 @@
-"""The dram store: blocks in this process's memory, least recently used evicted first.
+"""The dram store of scope ``process``: blocks in this process's memory (private: the host
+scope, shared memory, is ``shm.py``), least recently used evicted first.
 
 Copies are plain memcpy on the caller's thread (a few hundred microseconds for a 2 MiB
 block), so tasks come back already complete.

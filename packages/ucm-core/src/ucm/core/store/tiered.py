@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from ucm.core.config import ConfigError
 from ucm.core.store.base import CANCELLED, Store, StoreUsage, Task, check_batch, check_keys
 from ucm.core.store.dram import DramStore
+from ucm.core.store.shm import SharedMemoryStore
 
 
 class TieredStore(Store):
@@ -102,7 +103,7 @@ class TieredStore(Store):
         try:
             self.front.check_block_bytes(nbytes)
         except ConfigError as exc:
-            tier = "dram" if isinstance(self.front, DramStore) else "local"
+            tier = "dram" if isinstance(self.front, (DramStore, SharedMemoryStore)) else "local"
             raise ConfigError(exc.key.replace("store.", f"store.{tier}.", 1), exc.problem) from None
         try:
             self.backing.check_block_bytes(nbytes)

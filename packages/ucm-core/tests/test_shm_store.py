@@ -1,0 +1,113 @@
+"""The dram store of scope host: shared memory that every process on the host sees.
+
+What vLLM needs of it: its scheduler opens the store at start-up and looks blocks up there,
+while worker processes write them later; a restarted engine finds what the last one wrote.
+The posix promises on this medium (whole blocks after a kill, processes sharing keys, LRU,
+checksums) run in test_processes.py and test_store_contract.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from core_helpers import blob, key
+from ucm.core.config import ConfigError, DramStoreConfig, parse_store_config
+from ucm.core.store import SharedMemoryStore, Status, create_store
+from ucm.core.store.shm import mount_of
+
+WRITER = """
+import sys
+import numpy as np
+from ucm.core.store import create_store
+
+sys.path.insert(0, sys.argv[2])
+from core_helpers import blob, key
+
+store = create_store({"kind": "dram", "path": sys.argv[1], "capacity_gb": 0.25})
+results = store.wait(store.dump([key(i) for i in range(8)], [blob(i, 50_000) for i in range(8)]))
+assert all(r.ok for r in results), results
+store.close()
+"""
+
+
+def test_blocks_written_by_another_process_are_found_by_a_store_opened_before(shm_dir):
+    # vLLM's scheduler opens its store first; the workers, other processes, dump later
+    scheduler = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.25})
+    assert isinstance(scheduler, SharedMemoryStore)
+    keys = [key(i) for i in range(8)]
+    assert scheduler.lookup_prefix(keys) == 0
+    here = str(Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", WRITER, str(shm_dir), here], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
+    assert scheduler.lookup_prefix(keys) == 8  # the writer has exited: the blocks stay
+    out = [np.zeros(50_000, np.uint8) for _ in keys]
+    assert all(r.ok for r in scheduler.wait(scheduler.load(keys, out)))
+    for i, got in enumerate(out):
+        np.testing.assert_array_equal(got, blob(i, 50_000))
+    scheduler.close()
+    # a restarted engine opens it anew and finds them
+    with create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.25}) as again:
+        assert again.lookup_prefix(keys) == 8
+        assert again.usage().blocks == 8
+
+
+def test_a_corrupted_block_in_shared_memory_is_a_miss(shm_dir):
+    store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.25})
+    assert store.wait(store.dump([key(1)], [blob(1, 40_000)]))[0].ok
+    (block,) = [p for p in (shm_dir / "blocks").rglob("*") if p.is_file()]
+    raw = bytearray(block.read_bytes())
+    raw[-1] ^= 0xFF
+    block.write_bytes(bytes(raw))
+    out = np.zeros(40_000, np.uint8)
+    assert store.wait(store.load([key(1)], [out]))[0].status is Status.CORRUPT
+    assert store.lookup([key(1)]) == [False]  # removed: the next lookup is a miss
+    store.close()
+
+
+def test_a_path_on_a_disk_is_refused(tmp_path):
+    found = mount_of(str(tmp_path))
+    if found is None or found[1] in ("tmpfs", "ramfs"):
+        pytest.skip(f"the test's folder is itself in memory here: {found}")
+    with pytest.raises(ConfigError) as caught:
+        create_store({"kind": "dram", "path": str(tmp_path / "shm")})
+    assert caught.value.key == "store.path"
+    assert "not in memory" in str(caught.value) and "kind 'posix'" in str(caught.value)
+
+
+def test_a_capacity_larger_than_the_shared_memory_is_refused(shm_dir):
+    import os
+
+    stat = os.statvfs("/dev/shm")
+    too_big = 2 * stat.f_blocks * stat.f_frsize / (1 << 30)
+    with pytest.raises(ConfigError) as caught:
+        create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": too_big})
+    assert caught.value.key == "store.capacity_gb"
+    assert "--shm-size" in str(caught.value)
+    assert not shm_dir.exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize(
+    "settings,key",
+    [
+        ({"kind": "dram", "preallocate": True}, "store.preallocate"),
+        ({"kind": "dram", "scope": "process", "path": "/dev/shm/x"}, "store.path"),
+        ({"kind": "dram", "scope": "node"}, "store.scope"),
+        ({"kind": "dram", "path": ""}, "store.path"),
+    ],
+)
+def test_settings_that_do_not_go_together_are_refused(settings, key):
+    with pytest.raises(ConfigError) as caught:
+        parse_store_config(settings)
+    assert caught.value.key == key
+
+
+def test_process_scope_is_the_private_store():
+    from ucm.core.store import DramStore
+
+    config = DramStoreConfig(capacity_gb=0.01, scope="process", preallocate=True)
+    with create_store(config) as store:
+        assert isinstance(store, DramStore)
