@@ -44,6 +44,13 @@ def finish_engine(proc: subprocess.Popen[str], timeout: float = 600) -> dict[str
     raise AssertionError(f"engine failed (exit {proc.returncode}):\n{stderr[-6000:]}")
 
 
+def mooncake_store(master: Any, **settings: Any) -> dict[str, Any]:
+    """The store setting of an engine on the ``cluster`` fixture's pool: the engines give the
+    pool no memory, the blocks live in the segment server on host m."""
+    return {"kind": "mooncake", "master": master.address, "global_segment_gb": 0,
+            "timeout_s": 1.0, **settings}  # fmt: skip
+
+
 def shared_prefix_prompts(
     n: int = 3, prefix: int = 1000, tail: int = 100, seed: int = 0
 ) -> list[list[int]]:

@@ -321,3 +321,56 @@ def make_tiny_idefics3(dir: str | os.PathLike[str], *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     Idefics3ForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(d)
     return d
+
+
+#: the chat tokenizer's special tokens: ids 0..7, then the words w0..w1015 (ids 8..1023)
+CHAT_SPECIALS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<pad>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def make_word_tokenizer(dir: str | os.PathLike[str], vocab_size: int = 1024) -> Path:
+    """Write a word-level tokenizer with a chat template for the tiny Llama: token ``i`` (from
+    8 up) is the word ``w{i-8}``, so ``words(ids)`` spells any token prompt as text.
+
+    Its own folder, passed to ``vllm serve --tokenizer``: a tokenizer beside the model's
+    config.json would be loaded as the model type's own tokenizer class.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(CHAT_SPECIALS)}
+    vocab.update({f"w{i}": len(CHAT_SPECIALS) + i for i in range(vocab_size - len(CHAT_SPECIALS))})
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words joined by spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=CHAT_SPECIALS[4:],
+    )
+    tokenizer.model_max_length = 4096
+    tokenizer.chat_template = CHAT_TEMPLATE
+    d = Path(dir)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def words(ids: list[int]) -> str:
+    """The text that the word tokenizer reads as ``ids`` (word ids only)."""
+    assert all(i >= len(CHAT_SPECIALS) for i in ids), "only word ids have a spelling"
+    return " ".join(f"w{i - len(CHAT_SPECIALS)}" for i in ids)

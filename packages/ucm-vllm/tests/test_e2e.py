@@ -255,3 +255,32 @@ def test_weights_rewritten_in_place_never_hit(cold, tiny_model, prompts, store_d
     assert_same_outputs(new_reference, run)
     assert run["metrics"].get("vllm:ucm_loaded_blocks", 0) == 0
     assert run["metrics"].get("vllm:ucm_lookup_hit_tokens", 0) == 0
+
+
+@pytest.fixture
+def shm_dir():
+    import shutil
+    import uuid
+
+    path = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
+    yield str(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_dram_store_is_shared_by_the_scheduler_the_workers_and_the_next_engine(
+    reference, tiny_model, prompts, shm_dir
+):
+    # vLLM looks blocks up in its scheduler process and moves them in its worker processes:
+    # the default dram store (shared memory) must hit in the same engine and in the next one.
+    store = {"kind": "dram", "path": shm_dir, "capacity_gb": 0.25}
+    first = run_engine(
+        {"model": tiny_model, "prompts": [*prompts, prompts[0]], "store": store,
+         "fresh_prefix_cache": True}
+    )  # fmt: skip
+    ref = {**reference, "outputs": [*reference["outputs"], reference["outputs"][0]]}
+    assert_same_outputs(ref, first)
+    assert first["outputs"][3]["num_cached_tokens"] >= 1024  # the repeat: 4 store blocks
+    assert first["metrics"]["vllm:ucm_loaded_blocks"] >= 4 + 3  # and the shared prefix
+    restarted = run_engine({"model": tiny_model, "prompts": prompts, "store": store})
+    assert_same_outputs(reference, restarted)
+    assert all(o["num_cached_tokens"] >= 1024 for o in restarted["outputs"])

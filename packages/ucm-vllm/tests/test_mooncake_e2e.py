@@ -18,6 +18,7 @@ import pytest
 from engine import (
     assert_same_outputs,
     finish_engine,
+    mooncake_store,
     run_engine,
     shared_prefix_prompts,
     start_engine,
@@ -26,50 +27,6 @@ from engine import (
 pytest.importorskip("vllm")
 
 ENGINE_BLOCK = 32
-
-
-def _cannot_run() -> str | None:
-    from ucm.core.netlab import unavailable
-
-    try:
-        import mooncake.store  # noqa: F401
-        from ucm.core.store.mooncake_master import master_binary
-
-        master_binary()
-        master_binary("mooncake_client")
-    except (ImportError, OSError) as exc:
-        return f"Mooncake's client is not installed (pip install 'ucm-core[mooncake]'): {exc}"
-    reason = unavailable()
-    return None if reason is None else f"cannot make hosts as network namespaces: {reason}"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = _cannot_run()
-    if reason:
-        pytest.skip(reason)
-    from ucm.core.netlab import NetLab
-    from ucm.core.store.mooncake_master import LocalMaster, SegmentServer
-
-    logs = tmp_path_factory.mktemp("cluster")
-    with NetLab(["m", "a", "b"]) as lab:
-        master = LocalMaster(
-            lab.address("m"), netns=lab.namespace("m"), log_path=str(logs / "master.log")
-        ).start()
-        segment = SegmentServer(
-            master.address, 512, lab.address("m"), netns=lab.namespace("m"),
-            log_path=str(logs / "segment.log"),
-        ).start()  # fmt: skip
-        try:
-            yield lab, master, segment
-        finally:
-            segment.stop()
-            master.stop()
-
-
-def mooncake_store(master) -> dict:
-    # The engines give the pool no memory: the blocks live in the segment server on host m.
-    return {"kind": "mooncake", "master": master.address, "global_segment_gb": 0, "timeout_s": 1.0}
 
 
 X = shared_prefix_prompts(3, prefix=1000, tail=100, seed=1)  # stored by A
