@@ -305,6 +305,19 @@ def bench_vllm(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench_serve(session: nox.Session) -> None:
+    """Multi-round QA through ``vllm serve``, systems side by side (vLLM alone, UCM on posix
+    and on dram, vLLM's OffloadingConnector) with a restart half way; ratios of one run, a
+    JSON last and a plot of time to first token by round (``-- --help``: the settings)."""
+    _install_vllm(session)
+    session.install("matplotlib")
+    session.run(
+        "python", "-m", "ucm.vllm.bench_serve", "--plot", "docs/img/bench_serve.png",
+        *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: vLLM with UCMConnector; a cold process stores a 4K-token prompt's KV,
     a fresh warm process loads it, with time to first token for both."""

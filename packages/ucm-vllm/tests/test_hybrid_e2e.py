@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from engine import assert_same_outputs, run_engine
+from engine import assert_close_outputs, assert_same_outputs, run_engine
 
 pytest.importorskip("vllm")
 
@@ -65,6 +65,15 @@ def one(result, i=0):
     return {"outputs": [result["outputs"][i]]}
 
 
+# B's warm run starts its prefill at the hit (768 or 512), after KV loaded from the store;
+# no run without the connector can start there: vLLM's own prefix cache gives B no hit on
+# this hybrid model, so the reference computes B from token 0.  A prefill that starts
+# elsewhere runs another attention path; on CPUs without AVX-512 that was seen to flip a
+# near-tie token.  So B is compared as batched runs are (assert_close_outputs: logprobs
+# within 0.15, tokens equal wherever the reference's pick was decisive), which still
+# catches a wrong block (test_e2e.py: test_comparisons_catch_a_wrong_block).
+
+
 def files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith("."))
 
@@ -105,7 +114,7 @@ def test_block_wise_tails_give_a_hit_between_chunk_ends(
 ):
     store, _ = block_wise_store
     warm = engine(hybrid_model, [prompts[1]], store)
-    assert_same_outputs(one(reference, 1), warm)
+    assert_close_outputs(one(reference, 1), warm)
     assert warm["outputs"][0]["num_cached_tokens"] == 768  # boundary 3, inside chunk 2
 
 
@@ -115,5 +124,5 @@ def test_chunk_wise_tails_hit_only_at_chunk_ends(hybrid_model, reference, prompt
     assert_same_outputs(one(reference), cold)
     assert len(files(store / "wa" / "blocks")) == 2  # the tails at 512 and 1024
     warm = engine(hybrid_model, [prompts[1]], store, wa_dump_block_wise=False)
-    assert_same_outputs(one(reference, 1), warm)
+    assert_close_outputs(one(reference, 1), warm)
     assert warm["outputs"][0]["num_cached_tokens"] == 512  # the previous chunk end

@@ -1,0 +1,215 @@
+"""``nox -s bench_serve``: multi-round QA through ``vllm serve``, systems side by side.
+
+Every system is a ``vllm serve`` of its own, with the same model, the same KV space (a share
+of all users' histories, so that vLLM's own prefix cache must evict), the same CPU thread
+settings, driven by the same client with the same requests (``ucm.vllm.multiround``).  Half
+way through, the server is stopped and a fresh one started (a restart between rounds): vLLM's
+own cache is then empty, a store is not.
+
+Systems (``--systems``):
+  vllm        vLLM alone, its prefix caching on;
+  ucm-posix   UCMConnector on a posix store (a fresh folder on the local disk);
+  ucm-dram    UCMConnector on the dram store (host shared memory);
+  offloading  vLLM's own OffloadingConnector (CPU memory), where it runs.
+
+Reports time to first token p50/p90/p99, latency, prompt throughput and hit tokens per
+system, over all rounds and over the rounds after the first (the ones that can reuse),
+with ratios against vLLM alone from the same run; a JSON last, a PNG of TTFT by round.
+
+    python -m ucm.vllm.bench_serve [--users 12] [--rounds 6] [--kv-share 0.25] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ucm.vllm.multiround import MultiRoundWorkload
+from ucm.vllm.serve_client import Record, drive
+from ucm.vllm.serve_process import ServeProcess, connector_config
+from ucm.vllm.serve_report import (
+    markdown_table,
+    plot_ttft_by_round,
+    ratios,
+    summarize,
+    ttft_by_round,
+)
+
+SYSTEMS = ("vllm", "ucm-posix", "ucm-dram", "offloading")
+MODEL_NAME = "bench"
+BLOCK_SIZE = 32
+#: the benchmark's model: a small Llama with dummy weights (its compute per token sets how
+#: much a hit saves; the machine's speed sets how many tokens fit in the time budget)
+MODEL = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+    "vocab_size": 32000, "max_position_embeddings": 8192, "initializer_range": 0.02,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def system_args(system: str, work: str, kv_blocks: int) -> list[str] | None:
+    """The serve arguments that make ``system`` (None: not one this run knows)."""
+    if system == "vllm":
+        return []
+    if system == "ucm-posix":
+        store = {"kind": "posix", "path": os.path.join(work, "posix-store")}
+        return ["--kv-transfer-config", connector_config(store)]
+    if system == "ucm-dram":
+        store = {"kind": "dram", "path": f"/dev/shm/ucm-bench-{os.getpid()}", "capacity_gb": 4}
+        return ["--kv-transfer-config", connector_config(store)]
+    if system == "offloading":
+        config = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"num_cpu_blocks": 8 * kv_blocks},
+        }
+        return ["--kv-transfer-config", json.dumps(config)]
+    return None
+
+
+def run_system(
+    system: str, args: argparse.Namespace, workload: MultiRoundWorkload, work: str, model: str
+) -> dict[str, Any]:
+    """Every round against ``system``, with a fresh server from round ``restart_after``."""
+    kv_blocks = workload.kv_blocks(args.kv_share, BLOCK_SIZE)
+    extra = system_args(system, work, kv_blocks)
+    if extra is None:
+        raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    max_len = workload.prompt_tokens(workload.rounds - 1) + 2 * workload.answer_tokens
+    serve_args = [
+        "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--skip-tokenizer-init",
+        "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--seed", "0",
+        "--max-model-len", str(max_len),
+        "--num-gpu-blocks-override", str(kv_blocks), "--enable-prompt-tokens-details",
+        "--shutdown-timeout", "30", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env.pop("TRITON_INTERPRET", None)
+    phases = [range(0, args.restart_after), range(args.restart_after, workload.rounds)]
+    records: list[Record] = []
+    for phase, rounds in enumerate(phases):
+        if not rounds:
+            continue
+        log = os.path.join(work, f"{system}-{phase}.log")
+        server = ServeProcess(model, serve_args, log, env=env)
+        try:
+            server.wait_ready()
+        except RuntimeError as exc:
+            server.kill()
+            return {"system": system, "refused": _last_error(str(exc))}
+        try:
+            records += asyncio.run(
+                drive(server.url, MODEL_NAME, workload, rounds, max_in_flight=args.in_flight)
+            )
+        finally:
+            server.stop()
+        print(f"  {system}: rounds {rounds.start + 1}-{rounds.stop} done", file=sys.stderr)
+    return {"system": system, "records": records}
+
+
+def _last_error(log: str) -> str:
+    lines = [line for line in log.splitlines() if "Error" in line or "error" in line]
+    return (lines[-1] if lines else log.splitlines()[-1] if log else "no output")[-400:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--users", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--question-tokens", type=int, default=200)
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--rate", type=float, default=4.0, help="requests started per second, at most")
+    p.add_argument("--in-flight", type=int, default=2, help="requests in flight, at most")
+    p.add_argument("--kv-share", type=float, default=0.25, help="vLLM's KV space / all histories")
+    p.add_argument("--restart-after", type=int, default=None, help="rounds before the restart")
+    p.add_argument("--json", default=None, help="also write the report here")
+    p.add_argument("--plot", default=None, help="a PNG of TTFT by round")
+    args = p.parse_args(argv)
+    workload = MultiRoundWorkload(
+        users=args.users, rounds=args.rounds, system_tokens=args.system_tokens,
+        question_tokens=args.question_tokens, answer_tokens=args.answer_tokens,
+        request_rate=args.rate,
+    )  # fmt: skip
+    if args.restart_after is None:
+        args.restart_after = workload.rounds // 2
+    systems = [s for s in args.systems.split(",") if s]
+    kv_blocks = workload.kv_blocks(args.kv_share, BLOCK_SIZE)
+    settings = {
+        "workload": {k: getattr(workload, k) for k in ("users", "rounds", "system_tokens",
+                     "question_tokens", "answer_tokens", "request_rate")},
+        "in_flight": args.in_flight, "kv_share": args.kv_share, "kv_blocks": kv_blocks,
+        "history_tokens": workload.history_tokens(), "restart_after_round": args.restart_after,
+        "model": MODEL, "block_size": BLOCK_SIZE, "systems": systems,
+    }  # fmt: skip
+    print(json.dumps(settings, indent=1), file=sys.stderr)
+    work = tempfile.mkdtemp(prefix="ucm-bench-serve-")
+    model = os.path.join(work, "model")
+    os.makedirs(model)
+    Path(model, "config.json").write_text(json.dumps(MODEL))
+    results: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    try:
+        for system in systems:
+            print(f"[{system}]", file=sys.stderr)
+            results[system] = run_system(system, args, workload, work, model)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(f"/dev/shm/ucm-bench-{os.getpid()}", ignore_errors=True)
+    report = _report(results, settings, args.restart_after)
+    report["seconds"] = time.monotonic() - started
+    if args.plot:
+        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+        series = {n: ttft_by_round(r["records"]) for n, r in results.items() if "records" in r}
+        plot_ttft_by_round(
+            series, args.plot, f"multi-round QA, {workload.users} users", args.restart_after
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+    return 0
+
+
+def _report(
+    results: dict[str, dict[str, Any]], settings: dict[str, Any], restart_after: int
+) -> dict[str, Any]:
+    ran = {n: r["records"] for n, r in results.items() if "records" in r}
+    rounds = settings["workload"]["rounds"]
+    every = {n: summarize(recs) for n, recs in ran.items()}
+    reuse = {n: summarize(recs, range(1, rounds)) for n, recs in ran.items()}
+    keys = ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "latency_p50_s", "prompt_tokens_per_s"]
+    report: dict[str, Any] = {
+        "settings": settings,
+        "all_rounds": every,
+        "rounds_after_the_first": reuse,
+        "ttft_p50_by_round": {n: ttft_by_round(recs) for n, recs in ran.items()},
+        "refused": {n: r["refused"] for n, r in results.items() if "refused" in r},
+    }
+    if "vllm" in reuse:
+        report["against_vllm"] = ratios(reuse, "vllm", keys)
+    print("\nall rounds:\n" + markdown_table(every), file=sys.stderr)
+    print(f"rounds 2-{rounds} (restart before round {restart_after + 1}):", file=sys.stderr)
+    print(markdown_table(reuse), file=sys.stderr)
+    for name, r in report.get("against_vllm", {}).items():
+        shown = ", ".join(f"{k} {v:.2f}x" for k, v in r.items())
+        print(f"{name} / vllm: {shown}", file=sys.stderr)
+    for name, why in report["refused"].items():
+        print(f"{name}: refused to start: {why}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
