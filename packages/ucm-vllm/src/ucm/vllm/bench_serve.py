@@ -73,7 +73,7 @@ def system_args(system: str, work: str, kv_blocks: int) -> list[str] | None:
         config = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"num_cpu_blocks": 8 * kv_blocks},
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30},  # as UCM's dram
         }
         return ["--kv-transfer-config", json.dumps(config)]
     return None
@@ -120,8 +120,10 @@ def run_system(
 
 
 def _last_error(log: str) -> str:
-    lines = [line for line in log.splitlines() if "Error" in line or "error" in line]
-    return (lines[-1] if lines else log.splitlines()[-1] if log else "no output")[-400:]
+    """The root cause in a failed server's log: its first exception message."""
+    lines = log.splitlines()
+    causes = [line for line in lines if "Error: " in line or "Exception: " in line]
+    return (causes[0] if causes else lines[-1] if lines else "no output")[-600:]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,12 +91,12 @@ class MultiRoundWorkload:
 
     def kv_blocks(self, share: float, block_size: int) -> int:
         """Engine KV blocks holding ``share`` of ``history_tokens``, but never fewer than one
-        request needs (its longest prompt and answer)."""
+        request needs (its longest prompt and answer, and the block vLLM keeps aside)."""
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share!r}")
         longest = self.prompt_tokens(self.rounds - 1) + self.answer_tokens
-        tokens = max(math.ceil(share * self.history_tokens()), longest)
-        return math.ceil(tokens / block_size)
+        needed = math.ceil(longest / block_size) + 1
+        return max(math.ceil(share * self.history_tokens() / block_size), needed)
 
     def order(self) -> Iterator[tuple[int, int]]:
         """(user, round) in the order a client would issue them with no waiting: round by
