@@ -27,7 +27,7 @@ from ucm.core.store import create_store
 sys.path.insert(0, sys.argv[2])
 from core_helpers import blob, key
 
-store = create_store({"kind": "dram", "path": sys.argv[1], "capacity_gb": 0.25})
+store = create_store({"kind": "dram", "path": sys.argv[1], "capacity_gb": 0.03125})
 results = store.wait(store.dump([key(i) for i in range(8)], [blob(i, 50_000) for i in range(8)]))
 assert all(r.ok for r in results), results
 store.close()
@@ -36,7 +36,7 @@ store.close()
 
 def test_blocks_written_by_another_process_are_found_by_a_store_opened_before(shm_dir):
     # vLLM's scheduler opens its store first; the workers, other processes, dump later
-    scheduler = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.25})
+    scheduler = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125})
     assert isinstance(scheduler, SharedMemoryStore)
     keys = [key(i) for i in range(8)]
     assert scheduler.lookup_prefix(keys) == 0
@@ -50,13 +50,13 @@ def test_blocks_written_by_another_process_are_found_by_a_store_opened_before(sh
         np.testing.assert_array_equal(got, blob(i, 50_000))
     scheduler.close()
     # a restarted engine opens it anew and finds them
-    with create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.25}) as again:
+    with create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125}) as again:
         assert again.lookup_prefix(keys) == 8
         assert again.usage().blocks == 8
 
 
 def test_a_corrupted_block_in_shared_memory_is_a_miss(shm_dir):
-    store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.25})
+    store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125})
     assert store.wait(store.dump([key(1)], [blob(1, 40_000)]))[0].ok
     (block,) = [p for p in (shm_dir / "blocks").rglob("*") if p.is_file()]
     raw = bytearray(block.read_bytes())

@@ -272,7 +272,7 @@ def test_dram_store_is_shared_by_the_scheduler_the_workers_and_the_next_engine(
 ):
     # vLLM looks blocks up in its scheduler process and moves them in its worker processes:
     # the default dram store (shared memory) must hit in the same engine and in the next one.
-    store = {"kind": "dram", "path": shm_dir, "capacity_gb": 0.25}
+    store = {"kind": "dram", "path": shm_dir, "capacity_gb": 0.03125}
     first = run_engine(
         {"model": tiny_model, "prompts": [*prompts, prompts[0]], "store": store,
          "fresh_prefix_cache": True}
