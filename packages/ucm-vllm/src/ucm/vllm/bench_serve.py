@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ucm.vllm.demo import engine_env
 from ucm.vllm.multiround import MultiRoundWorkload
 from ucm.vllm.serve_client import Record, drive
 from ucm.vllm.serve_process import ServeProcess, connector_config
@@ -87,7 +88,7 @@ def run_system(
     extra = system_args(system, work, kv_blocks)
     if extra is None:
         raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    max_len = workload.prompt_tokens(workload.rounds - 1) + 2 * workload.answer_tokens
+    max_len = workload.longest_request_tokens()
     serve_args = [
         "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--skip-tokenizer-init",
         "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--seed", "0",
@@ -95,8 +96,7 @@ def run_system(
         "--num-gpu-blocks-override", str(kv_blocks), "--enable-prompt-tokens-details",
         "--shutdown-timeout", "30", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    env.pop("TRITON_INTERPRET", None)
+    env = engine_env()  # the same CPU threads for every system
     phases = [range(0, args.restart_after), range(args.restart_after, workload.rounds)]
     records: list[Record] = []
     for phase, rounds in enumerate(phases):

@@ -89,13 +89,16 @@ class MultiRoundWorkload:
         per_user = self.prompt_tokens(self.rounds - 1) + self.answer_tokens - self.system_tokens
         return self.system_tokens + self.users * per_user
 
+    def longest_request_tokens(self) -> int:
+        """The last round's prompt and answer: the model length the server must allow."""
+        return self.prompt_tokens(self.rounds - 1) + self.answer_tokens
+
     def kv_blocks(self, share: float, block_size: int) -> int:
         """Engine KV blocks holding ``share`` of ``history_tokens``, but never fewer than one
         request needs (its longest prompt and answer, and the block vLLM keeps aside)."""
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share!r}")
-        longest = self.prompt_tokens(self.rounds - 1) + self.answer_tokens
-        needed = math.ceil(longest / block_size) + 1
+        needed = math.ceil(self.longest_request_tokens() / block_size) + 1
         return max(math.ceil(share * self.history_tokens() / block_size), needed)
 
     def order(self) -> Iterator[tuple[int, int]]:
