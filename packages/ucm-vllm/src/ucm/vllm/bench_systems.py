@@ -1,0 +1,176 @@
+"""The systems ``bench_serve`` compares, and how each is started.
+
+A system is what a ``vllm serve`` is given to make it that system (its
+``--kv-transfer-config``), the interpreter that runs it (LMCache lives in an environment of
+its own, so that its pins never decide ours), and a service it needs beside it for the whole
+run (LMCache's cache server), which outlives the vLLM restart as a store does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import attrs
+from ucm.vllm.serve_process import connector_config, free_port
+
+SYSTEMS = ("vllm", "ucm-posix", "ucm-dram", "ucm-tiered", "lmcache", "offloading")
+
+#: what every system's processes get: no usage reports (nothing leaves this host)
+QUIET_ENV = {
+    "DO_NOT_TRACK": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "LMCACHE_DISABLE_BANNER": "1",
+}
+
+#: host memory every system that keeps KV in host memory may use
+HOST_CACHE_GB = 4
+
+
+@attrs.frozen
+class System:
+    """How to start one system under test."""
+
+    name: str
+    serve_args: list[str]  # added to the common ``vllm serve`` arguments
+    python: str = sys.executable  # the interpreter ``vllm serve`` runs on
+    sidecar: Sidecar | None = None  # started before the first server, stopped after the last
+
+
+class Sidecar(Protocol):
+    """A service a system needs beside ``vllm serve`` for the whole run."""
+
+    command: list[str]
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class LMCacheServer:
+    """``lmcache server`` (LMCache's multi-process mode, the one that serves vLLM on the CPU)
+    with its L1 cache in shared memory, as LMCache advises for the fastest transfers: the
+    engine's workers copy blocks to and from that segment themselves (``engine_driven``)."""
+
+    def __init__(self, python: str, log_path: str, l1_gb: int = HOST_CACHE_GB) -> None:
+        self.port = free_port()
+        self.shm_name = f"ucm-bench-lmcache-{os.getpid()}"
+        self.command = [
+            str(Path(python).parent / "lmcache"), "server",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--http-host", "127.0.0.1", "--http-port", str(free_port()),
+            "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
+            "--supported-transfer-mode", "engine_driven", "--shm-name", self.shm_name,
+        ]  # fmt: skip
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[str] | None = None
+
+    def connector(self) -> dict[str, Any]:
+        """``--kv-transfer-config`` of the vLLM servers that use this cache server: LMCache's
+        own connector module (the one released with the server)."""
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": self.port,
+            },
+        }
+
+    def start(self, timeout: float = 180.0) -> None:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - written until stopped
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **QUIET_ENV},
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = Path(self.log_path).read_text(errors="replace")
+                raise RuntimeError(f"lmcache server exited {self.proc.returncode}:\n{log[-3000:]}")
+            with socket.socket() as sock:
+                sock.settimeout(1)
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"lmcache server not listening within {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+        # the L1 segment outlives the server unless removed
+        Path("/dev/shm", f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
+
+
+def make_system(name: str, work: str, lmcache_python: str | None) -> System:
+    """``name``'s system, its files under ``work``."""
+    if name == "vllm":
+        return System(name, [])
+    if name.startswith("ucm-"):
+        store = _ucm_store(name[len("ucm-") :], work)
+        return System(name, ["--kv-transfer-config", connector_config(store)])
+    if name == "lmcache":
+        if lmcache_python is None:
+            raise ValueError(
+                "system 'lmcache' needs an environment with LMCache (--lmcache-python; "
+                "nox -s bench_serve builds one)"
+            )
+        server = LMCacheServer(lmcache_python, os.path.join(work, "lmcache-server.log"))
+        args = ["--kv-transfer-config", json.dumps(server.connector())]
+        return System(name, args, python=lmcache_python, sidecar=server)
+    if name == "offloading":
+        config = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": HOST_CACHE_GB << 30},
+        }
+        return System(name, ["--kv-transfer-config", json.dumps(config)])
+    raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+
+
+def _ucm_store(kind: str, work: str) -> Mapping[str, Any]:
+    posix = {"kind": "posix", "path": os.path.join(work, "posix-store")}
+    dram = {"path": f"/dev/shm/ucm-bench-{os.getpid()}", "capacity_gb": HOST_CACHE_GB}
+    if kind == "posix":
+        return posix
+    if kind == "dram":
+        return {"kind": "dram", **dram}
+    if kind == "tiered":
+        return {"kind": "tiered", "dram": dram, "backing": posix}
+    raise ValueError(f"unknown system 'ucm-{kind}'; known: {', '.join(SYSTEMS)}")
+
+
+def remove_host_stores() -> None:
+    """What the UCM systems left in shared memory."""
+    shutil.rmtree(f"/dev/shm/ucm-bench-{os.getpid()}", ignore_errors=True)
+
+
+def describe(system: System, common: Sequence[str]) -> dict[str, Any]:
+    """What was run, for the report: the serve command's arguments, the sidecar's command."""
+    out: dict[str, Any] = {"python": system.python, "serve_args": [*common, *system.serve_args]}
+    if system.sidecar is not None:
+        out["sidecar"] = system.sidecar.command
+    return out
