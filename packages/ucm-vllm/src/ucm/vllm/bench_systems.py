@@ -23,7 +23,7 @@ from typing import IO, Any, Protocol
 import attrs
 from ucm.vllm.serve_process import connector_config, free_port
 
-SYSTEMS = ("vllm", "ucm-posix", "ucm-dram", "ucm-tiered", "lmcache", "offloading")
+SYSTEMS = ("vllm", "ucm-posix", "ucm-dram", "ucm-tiered", "lmcache", "offloading", "vllm-floor")
 
 #: what every system's processes get: no usage reports (nothing leaves this host)
 QUIET_ENV = {
@@ -45,6 +45,9 @@ class System:
     serve_args: list[str]  # added to the common ``vllm serve`` arguments
     python: str = sys.executable  # the interpreter ``vllm serve`` runs on
     sidecar: Sidecar | None = None  # started before the first server, stopped after the last
+    # vLLM alone with room for every history and no restart: its own prefix cache then hits
+    # wherever any store could, at no transfer cost, the floor no store can go under
+    floor: bool = False
 
 
 class Sidecar(Protocol):
@@ -62,14 +65,17 @@ class LMCacheServer:
     with its L1 cache in shared memory, as LMCache advises for the fastest transfers: the
     engine's workers copy blocks to and from that segment themselves (``engine_driven``)."""
 
-    def __init__(self, python: str, log_path: str, l1_gb: int = HOST_CACHE_GB) -> None:
+    def __init__(
+        self, python: str, log_path: str, chunk_tokens: int, l1_gb: int = HOST_CACHE_GB
+    ) -> None:
         self.port = free_port()
         self.shm_name = f"ucm-bench-lmcache-{os.getpid()}"
         self.command = [
             str(Path(python).parent / "lmcache"), "server",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--http-host", "127.0.0.1", "--http-port", str(free_port()),
-            "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
+            "--chunk-size", str(chunk_tokens), "--l1-size-gb", str(l1_gb),
+            "--eviction-policy", "LRU",
             "--supported-transfer-mode", "engine_driven", "--shm-name", self.shm_name,
         ]  # fmt: skip
         self.log_path = log_path
@@ -125,20 +131,31 @@ class LMCacheServer:
         Path("/dev/shm", f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 
 
-def make_system(name: str, work: str, lmcache_python: str | None) -> System:
-    """``name``'s system, its files under ``work``."""
+def make_system(
+    name: str,
+    work: str,
+    block_tokens: int,
+    chunk_tokens: int,
+    lmcache_python: str | None = None,
+) -> System:
+    """``name``'s system, its files under ``work``; ``block_tokens``: UCM's stored block,
+    ``chunk_tokens``: LMCache's chunk, in tokens (each store's hits come in these)."""
     if name == "vllm":
         return System(name, [])
+    if name == "vllm-floor":
+        return System(name, [], floor=True)
     if name.startswith("ucm-"):
         store = _ucm_store(name[len("ucm-") :], work)
-        return System(name, ["--kv-transfer-config", connector_config(store)])
+        config = connector_config(store, {"block_tokens": block_tokens})
+        return System(name, ["--kv-transfer-config", config])
     if name == "lmcache":
         if lmcache_python is None:
             raise ValueError(
                 "system 'lmcache' needs an environment with LMCache (--lmcache-python; "
                 "nox -s bench_serve builds one)"
             )
-        server = LMCacheServer(lmcache_python, os.path.join(work, "lmcache-server.log"))
+        log = os.path.join(work, "lmcache-server.log")
+        server = LMCacheServer(lmcache_python, log, chunk_tokens)
         args = ["--kv-transfer-config", json.dumps(server.connector())]
         return System(name, args, python=lmcache_python, sidecar=server)
     if name == "offloading":

@@ -1,10 +1,12 @@
 """The multi-round QA workload of vLLM's production stack, scaled to a small machine.
 
 U users each hold a conversation of R rounds.  Every prompt starts with one system prompt
-shared by all users; round r of a user asks the system prompt, then every earlier round's
-question and answer, then its own question.  So each user's history grows by a question and
-an answer per round, and a KV store helps exactly when the engine's own KV space cannot
-keep every user's history between their rounds.
+shared by all users and the user's own context (the production stack's "user history
+prompt": an earlier chat, a document); round r of a user asks these, then every earlier
+round's question and answer, then its own question.  Questions are short, as the production
+stack's are (one sentence, "Here's question #r: ..."), so each round adds little to a long
+history, and a KV store helps exactly when the engine's own KV space cannot keep every
+user's history between their rounds.
 
 The answers are fixed by the workload, not taken from the server: every system under test
 then gets the very same requests, token for token (a benchmark's model has dummy weights,
@@ -39,8 +41,14 @@ class MultiRoundWorkload:
         default=1000,
         validator=int_in_range(0, 1 << 20),
     )
+    user_tokens: int = setting(
+        "The user's own context after the system prompt (the production stack's user "
+        "history prompt).",
+        default=2000,
+        validator=int_in_range(0, 1 << 20),
+    )
     question_tokens: int = setting(
-        "Each round's question.", default=200, validator=int_in_range(1, 1 << 20)
+        "Each round's question.", default=20, validator=int_in_range(1, 1 << 20)
     )
     answer_tokens: int = setting(
         "Each round's answer (the tokens asked of the server).",
@@ -61,6 +69,9 @@ class MultiRoundWorkload:
     def system_prompt(self) -> list[int]:
         return self._tokens(0, n=self.system_tokens)
 
+    def user_context(self, user: int) -> list[int]:
+        return self._tokens(3, user, n=self.user_tokens)
+
     def question(self, user: int, round_: int) -> list[int]:
         return self._tokens(1, user, round_, n=self.question_tokens)
 
@@ -68,9 +79,9 @@ class MultiRoundWorkload:
         return self._tokens(2, user, round_, n=self.answer_tokens)
 
     def prompt(self, user: int, round_: int) -> list[int]:
-        """Round ``round_`` (from 0) of ``user``: the system prompt, the earlier rounds'
-        questions and answers, this round's question."""
-        tokens = list(self.system_prompt())
+        """Round ``round_`` (from 0) of ``user``: the system prompt, the user's context, the
+        earlier rounds' questions and answers, this round's question."""
+        tokens = self.system_prompt() + self.user_context(user)
         for earlier in range(round_):
             tokens += self.question(user, earlier) + self.answer(user, earlier)
         return tokens + self.question(user, round_)
@@ -79,8 +90,9 @@ class MultiRoundWorkload:
         """The length of any user's prompt in round ``round_``."""
         return (
             self.system_tokens
+            + self.user_tokens
             + round_ * (self.question_tokens + self.answer_tokens)
-            + (self.question_tokens)
+            + self.question_tokens
         )
 
     def history_tokens(self) -> int:
