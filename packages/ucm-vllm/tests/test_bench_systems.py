@@ -30,6 +30,17 @@ def test_ucm_systems_are_settings_the_connector_accepts(name, tmp_path):
     assert system.python == sys.executable and system.sidecar is None and not system.floor
 
 
+def test_each_ucm_system_has_stores_of_its_own(tmp_path):
+    paths = {}
+    for name in ("ucm-posix", "ucm-dram", "ucm-tiered"):
+        store = transfer_config(make_system(name, str(tmp_path), 32, 32))
+        store = store["kv_connector_extra_config"]["store"]
+        tiers = [store["dram"], store["backing"]] if store["kind"] == "tiered" else [store]
+        paths[name] = {tier["path"] for tier in tiers}
+    assert not paths["ucm-tiered"] & (paths["ucm-posix"] | paths["ucm-dram"])
+    assert not paths["ucm-posix"] & paths["ucm-dram"]
+
+
 def test_vllm_alone_and_the_floor_take_no_connector():
     plain, floor = make_system("vllm", "/w", 32, 32), make_system("vllm-floor", "/w", 32, 32)
     assert plain.serve_args == floor.serve_args == []

@@ -8,6 +8,7 @@ run (LMCache's cache server), which outlives the vLLM restart as a store does.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -35,6 +36,8 @@ QUIET_ENV = {
 
 #: host memory every system that keeps KV in host memory may use
 HOST_CACHE_GB = 4
+#: where this run's host-memory stores live (one folder per system)
+HOST_STORES = f"/dev/shm/ucm-bench-{os.getpid()}"
 
 
 @attrs.frozen
@@ -169,8 +172,9 @@ def make_system(
 
 
 def _ucm_store(kind: str, work: str) -> Mapping[str, Any]:
-    posix = {"kind": "posix", "path": os.path.join(work, "posix-store")}
-    dram = {"path": f"/dev/shm/ucm-bench-{os.getpid()}", "capacity_gb": HOST_CACHE_GB}
+    """A store of the system's own: no system may find blocks another one stored."""
+    posix = {"kind": "posix", "path": os.path.join(work, f"ucm-{kind}-posix")}
+    dram = {"path": f"{HOST_STORES}-{kind}", "capacity_gb": HOST_CACHE_GB}
     if kind == "posix":
         return posix
     if kind == "dram":
@@ -182,7 +186,8 @@ def _ucm_store(kind: str, work: str) -> Mapping[str, Any]:
 
 def remove_host_stores() -> None:
     """What the UCM systems left in shared memory."""
-    shutil.rmtree(f"/dev/shm/ucm-bench-{os.getpid()}", ignore_errors=True)
+    for path in glob.glob(f"{HOST_STORES}-*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def describe(system: System, common: Sequence[str]) -> dict[str, Any]:
