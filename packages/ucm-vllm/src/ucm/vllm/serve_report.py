@@ -97,7 +97,7 @@ def plot_ttft_by_round(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for name, by_round in series.items():
         rounds = sorted(by_round)
         ax.plot([r + 1 for r in rounds], [by_round[r] for r in rounds], marker="o", label=name)
@@ -108,7 +108,7 @@ def plot_ttft_by_round(
     ax.set_yscale("log")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
