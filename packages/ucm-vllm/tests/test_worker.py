@@ -138,3 +138,60 @@ def test_a_store_that_cannot_hold_one_block_is_refused_at_registration():
     assert caught.value.key == "store.capacity_gb"
     worker, _ = worker_on(DramStore(DramStoreConfig(capacity_gb=1 / 1024)))  # 1 MiB: fine
     worker.shutdown()
+
+
+def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
+    # A dram store only copies from memory, and a 32-token block is one engine block of a
+    # CPU cache: the load reads into the engine's blocks themselves (no host row, no
+    # scatter).  A corrupt block and every block after it are load errors, recomputed by
+    # vLLM over whatever the read left; the blocks before it are the stored KV.
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    layout = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP,))
+    chain = block_keys(layout.chain_namespace(None), list(range(128)), 32)
+    path = f"/dev/shm/ucm-test-{uuid.uuid4().hex[:12]}"
+    config = DramStoreConfig(path=path, capacity_gb=0.01)
+
+    def worker_of(store, seed):
+        worker = WorkerSide(layout, ConnectorStores(store, None), num_groups=1, sync_loads=True)
+        torch.manual_seed(seed)
+        cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
+        worker.register_kv_caches({LAYER: cache})
+        return worker, cache
+
+    try:
+        writer, stored = worker_of(SharedMemoryStore(config), 0)
+        written = [Item(0, k, chain[k], [1 + k]) for k in range(4)]
+        writer.wait_for_save(UCMConnectorMetadata(dumps=[Transfer("cold", written)]))
+        writer.shutdown()
+        third = writer._keys(written[2:3])[0].hex()
+        block = Path(path, "blocks", third[:2], third)
+        data = bytearray(block.read_bytes())
+        data[-1] ^= 0xFF  # a payload byte: the checksum no longer matches
+        block.write_bytes(bytes(data))
+
+        reader, cache = worker_of(SharedMemoryStore(config), 1)
+        assert reader.in_place
+        before = cache.clone()
+        free = reader.rows.free_bytes
+        reader._scatter = None  # nothing may go through host rows
+        loads = [Item(0, k, chain[k], [11 + k]) for k in range(4)]
+        reader.start_load_kv(UCMConnectorMetadata(loads=[Transfer("warm", loads)]))
+        assert torch.equal(cache[11:13], stored[1:3])  # the two blocks before the bad one
+        assert reader.take_load_errors() == {13, 14}
+        assert torch.equal(cache[15:], before[15:]) and torch.equal(cache[:11], before[:11])
+        assert reader.rows.free_bytes == free
+        reader.shutdown()
+
+        on_disk, _ = worker_of(PosixStore(PosixStoreConfig(path=str(tmp_path / "s"))), 2)
+        assert not on_disk.in_place  # a disk or a mount may hang: reads go through rows
+        on_disk.shutdown()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -13,6 +13,13 @@ scattered from ``get_transfer_results`` (between forward passes), after which vL
 schedules the request; with several KV-cache groups a failure fails the whole load
 (``failed_recving``), as vLLM maps block ids back to requests only for one group.
 
+Where the store only copies from host memory (``Store.reads_from_memory``: the dram store),
+the cache is on the CPU and a stored block is one engine block, a sync load reads straight
+into the engine's blocks: no host row, no scatter.  Blocks that fail are load errors like
+any other, so vLLM recomputes them over whatever the read left there; a load that times out
+is cancelled and waited for (a memory copy ends at once), so no read lands after vLLM has
+taken its blocks back.
+
 Dumps gather the blocks into host rows right after the forward pass that computed them, so
 vLLM may reuse the engine blocks at once; the store writes in the background.
 """
@@ -30,7 +37,8 @@ import torch
 from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store import KeyResult, Task
-from ucm.kernels import HostStager, payload_nbytes
+from ucm.core.store.base import Payload
+from ucm.kernels import BlockSegments, HostStager, block_segments, payload_nbytes
 from ucm.vllm.buffers import RowPool
 from ucm.vllm.layout import GroupLayout, ModelLayout
 from ucm.vllm.metadata import NULL_BLOCK, Item, Transfer, UCMConnectorMetadata
@@ -49,8 +57,9 @@ PIECE_BYTES = 16 << 20
 class LoadJob:
     transfer: Transfer
     tasks: list[tuple[list[int], Task]]  # (positions in transfer.items, task) per store
-    rows: list[torch.Tensor]  # one host row per item
+    rows: list[torch.Tensor]  # one host row per item; none when read in place
     started: float
+    in_place: bool = False  # read straight into the engine's blocks
 
     def done(self) -> bool:
         return all(task.done() for _, task in self.tasks)
@@ -90,6 +99,7 @@ class WorkerSide:
         self.load_error_blocks: set[int] = set()
         self.delayed: list[str] = []
         self.stats = UCMStats()
+        self.in_place = False  # sync loads read straight into the cache (register_kv_caches)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for group in self.layout.stored_groups:
@@ -107,7 +117,15 @@ class WorkerSide:
                     else self.layout.hybrid.tail_blocks[group.index] or 1
                 )
                 self.stores.check_block_bytes(group, self._row_bytes(group.index, blocks))
-        self.stager = HostStager(next(iter(self.caches.values()))[0].device)
+        device = next(iter(self.caches.values()))[0].device
+        self.stager = HostStager(device)
+        self.in_place = (
+            self.sync_loads
+            and self.single_group
+            and device.type == "cpu"
+            and self.stores is not None
+            and self.stores.full.reads_from_memory
+        )
         # Touch the rows of a typical load now (full-attention blocks of every group),
         # rather than on the first request.
         full = [g for g in self.layout.stored_groups if g.kind == "full"]
@@ -162,6 +180,11 @@ class WorkerSide:
                     job.transfer.req_id,
                     self.load_timeout_s,
                 )
+                if job.in_place:
+                    # The reads write the engine's blocks: none may land once vLLM has them
+                    # back.  A store that reads from memory stops at once.
+                    for _, task in job.tasks:
+                        task.cancel(wait=None)
                 # Reads still in flight may land in these rows later: never reuse them.
                 job.rows = []
             usable = job.transfer.req_id not in failed
@@ -185,20 +208,39 @@ class WorkerSide:
     def _submit_load(self, transfer: Transfer) -> LoadJob:
         started = time.perf_counter()
         items = transfer.items
-        rows = self._take_rows(items)
-        job = LoadJob(transfer, [], rows, started)
+        segments = self._segments(items) if self.in_place else None  # sync loads only
+        rows = [] if segments is not None else self._take_rows(items)
+        job = LoadJob(transfer, [], rows, started, in_place=segments is not None)
         if self.stores is None:
             return job
         stores = self.stores
         for store, positions in _positions(items, lambda it: stores.of(self._group(it))).items():
             keys = self._keys([items[p] for p in positions])
+            buffers: list[object] = (
+                [rows[p].numpy() for p in positions]
+                if segments is None
+                else [Payload.deferred(segments.nbytes, segments, p) for p in positions]
+            )
             try:
-                task = store.load(keys, [rows[p].numpy() for p in positions], LAYOUT_TAG)
+                task = store.load(keys, buffers, LAYOUT_TAG)
             except Exception as exc:  # noqa: BLE001 - a failing store is a miss
                 log.warning("ucm: load of request %s failed to start: %s", transfer.req_id, exc)
                 continue
             job.tasks.append((positions, task))
         return job
+
+    def _segments(self, items: list[Item]) -> BlockSegments | None:
+        """The engine blocks of ``items`` as store payloads (one group's, one engine block
+        each, none the null block), or None: then they go through host rows."""
+        group = items[0].group
+        if any(it.group != group for it in items):
+            return None
+        segments = block_segments(
+            self.caches[group], [it.block_ids for it in items], null_block_id=NULL_BLOCK
+        )
+        if segments is None or segments.nbytes != self._item_bytes(items[0]):
+            return None
+        return segments
 
     def _take_rows(self, items: list[Item]) -> list[torch.Tensor]:
         rows: list[torch.Tensor | None] = [None] * len(items)
@@ -224,9 +266,10 @@ class WorkerSide:
         use = [
             all_ok or (self._full(it) and (first_bad is None or it.key < first_bad)) for it in items
         ]
-        used = [p for p, u in enumerate(use) if u and p < len(job.rows)]
-        self._scatter([items[p] for p in used], [job.rows[p] for p in used])
-        self.rows.give(job.rows)
+        if not job.in_place:  # else the blocks are in the cache already
+            used = [p for p, u in enumerate(use) if u and p < len(job.rows)]
+            self._scatter([items[p] for p in used], [job.rows[p] for p in used])
+            self.rows.give(job.rows)
         if not all_ok:
             problems = {r.detail or r.status.value for r in results if r and not r.ok} or {
                 "store unavailable" if usable else "an earlier block failed"

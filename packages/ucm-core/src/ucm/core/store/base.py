@@ -364,6 +364,13 @@ class Store(abc.ABC):
         """Whether every dump fails (a read-only cache): callers need not plan any."""
         return False
 
+    @property
+    def reads_from_memory(self) -> bool:
+        """Whether a load only copies from this host's memory, so that once cancelled it
+        ends at once (nothing to wait on, no device or network that may hang): a caller may
+        then read straight into memory it must take back, such as an engine's cache."""
+        return False
+
     @abc.abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored (a hint: a later load may still miss)."""

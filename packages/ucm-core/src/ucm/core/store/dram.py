@@ -101,6 +101,10 @@ class DramStore(Store):
         # Copies happen under the lock, so eviction never frees a block being read.
         self._lock = threading.Lock()
 
+    @property
+    def reads_from_memory(self) -> bool:
+        return True
+
     def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         views = check_batch(keys, buffers, writable=False)
         return Task.completed([self._put(bytes(k), v, layout) for k, v in zip(keys, views)])

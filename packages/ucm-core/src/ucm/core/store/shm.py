@@ -32,6 +32,10 @@ class SharedMemoryStore(PosixStore):
         self.dram_config = config
         super().__init__(PosixStoreConfig(path=config.path, capacity_gb=config.capacity_gb))
 
+    @property
+    def reads_from_memory(self) -> bool:
+        return True  # files on a memory filesystem
+
 
 def check_memory_filesystem(path: str, capacity_bytes: int) -> None:
     """Raise a ``ConfigError`` unless ``path`` lies on a memory filesystem that can hold
