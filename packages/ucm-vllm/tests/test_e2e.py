@@ -284,3 +284,26 @@ def test_dram_store_is_shared_by_the_scheduler_the_workers_and_the_next_engine(
     restarted = run_engine({"model": tiny_model, "prompts": prompts, "store": store})
     assert_same_outputs(reference, restarted)
     assert all(o["num_cached_tokens"] >= 1024 for o in restarted["outputs"])
+
+
+def test_loads_straight_into_the_cache_match_and_a_corrupt_block_is_recomputed(
+    reference, tiny_model, prompts, shm_dir
+):
+    # A dram store with one engine block per stored block: sync loads read into vLLM's CPU
+    # cache itself.  A block that fails its checksum has already written the engine block:
+    # vLLM must recompute it and everything after it, and the outputs stay the reference's.
+    store = {"kind": "dram", "path": shm_dir, "capacity_gb": 0.03125}
+    spec = {"model": tiny_model, "prompts": prompts, "store": store, "extra": {"block_tokens": 32}}
+    assert_same_outputs(reference, run_engine(spec))
+    warm = run_engine(spec)
+    assert_same_outputs(reference, warm)
+    assert warm["metrics"]["vllm:ucm_loaded_blocks"] >= 30
+    assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
+    blocks = sorted(p for p in Path(shm_dir, "blocks").rglob("*") if p.is_file())
+    for block in blocks[::7]:
+        data = bytearray(block.read_bytes())
+        data[-100] ^= 0xFF  # one flipped payload byte
+        block.write_bytes(bytes(data))
+    damaged = run_engine(spec)
+    assert_same_outputs(reference, damaged)
+    assert damaged["metrics"]["vllm:ucm_load_errors"] >= 1
