@@ -235,9 +235,13 @@ class WorkerSide:
         group = items[0].group
         if any(it.group != group for it in items):
             return None
-        segments = block_segments(
-            self.caches[group], [it.block_ids for it in items], null_block_id=NULL_BLOCK
-        )
+        try:
+            segments = block_segments(
+                self.caches[group], [it.block_ids for it in items], null_block_id=NULL_BLOCK
+            )
+        except (TypeError, ValueError) as exc:  # the staged path checks and reports the same
+            log.debug("ucm: in-place load not possible (%s)", exc)
+            return None
         if segments is None or segments.nbytes != self._item_bytes(items[0]):
             return None
         return segments
