@@ -102,7 +102,7 @@ def run_system(
     if system.sidecar is not None:
         try:
             system.sidecar.start()
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
             return {"system": system.name, "ran": ran, "refused": _last_error(str(exc))}
     try:
         for phase, rounds in enumerate(phases):

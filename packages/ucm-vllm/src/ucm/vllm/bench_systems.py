@@ -12,17 +12,14 @@ import glob
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
-from ucm.vllm.serve_process import connector_config, free_port
+from ucm.core.daemon import Daemon, free_port
+from ucm.vllm.serve_process import connector_config
 
 SYSTEMS = ("vllm", "ucm-posix", "ucm-dram", "ucm-tiered", "lmcache", "offloading", "vllm-floor")
 
@@ -63,7 +60,7 @@ class Sidecar(Protocol):
     def stop(self) -> None: ...
 
 
-class LMCacheServer:
+class LMCacheServer(Daemon):
     """``lmcache server`` (LMCache's multi-process mode, the one that serves vLLM on the CPU)
     with its L1 cache in shared memory, as LMCache advises for the fastest transfers: the
     engine's workers copy blocks to and from that segment themselves (``engine_driven``)."""
@@ -71,19 +68,19 @@ class LMCacheServer:
     def __init__(
         self, python: str, log_path: str, chunk_tokens: int, l1_gb: int = HOST_CACHE_GB
     ) -> None:
-        self.port = free_port()
+        super().__init__(log_path=log_path, env=QUIET_ENV)
         self.shm_name = f"ucm-bench-lmcache-{os.getpid()}"
         self.command = [
             str(Path(python).parent / "lmcache"), "server",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--http-host", "127.0.0.1", "--http-port", str(free_port()),
+            "--host", self.host, "--port", str(self.port),
+            "--http-host", self.host, "--http-port", str(free_port()),
             "--chunk-size", str(chunk_tokens), "--l1-size-gb", str(l1_gb),
             "--eviction-policy", "LRU",
             "--supported-transfer-mode", "engine_driven", "--shm-name", self.shm_name,
         ]  # fmt: skip
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[str] | None = None
+
+    def _command(self) -> list[str]:
+        return self.command
 
     def connector(self) -> dict[str, Any]:
         """``--kv-transfer-config`` of the vLLM servers that use this cache server: LMCache's
@@ -93,43 +90,16 @@ class LMCacheServer:
             "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
-                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.host": f"tcp://{self.host}",
                 "lmcache.mp.port": self.port,
             },
         }
 
-    def start(self, timeout: float = 180.0) -> None:
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - written until stopped
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **QUIET_ENV},
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = Path(self.log_path).read_text(errors="replace")
-                raise RuntimeError(f"lmcache server exited {self.proc.returncode}:\n{log[-3000:]}")
-            with socket.socket() as sock:
-                sock.settimeout(1)
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"lmcache server not listening within {timeout} s")
+    def start(self, timeout: float = 180.0) -> LMCacheServer:
+        return super().start(timeout)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if self._log is not None:
-            self._log.close()
+        super().stop()
         # the L1 segment outlives the server unless removed
         Path("/dev/shm", f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 

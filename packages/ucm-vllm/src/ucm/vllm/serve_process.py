@@ -6,7 +6,6 @@ import importlib.metadata
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from ucm.core.daemon import free_port
 
 
 def serve_command(python: str = sys.executable) -> list[str]:
@@ -49,12 +50,6 @@ def connector_config(store: Mapping[str, Any], extra: Mapping[str, Any] | None =
             "kv_connector_extra_config": {"store": dict(store), **(extra or {})},
         }
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class ServeProcess:

@@ -9,24 +9,12 @@ connections, and stop it by its pid.  ``netns`` runs it inside a network namespa
 
 from __future__ import annotations
 
-import abc
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-from typing import IO, TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from typing import Self  # 3.11; annotations only, so 3.10 runs too
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from ucm.core.daemon import Daemon, free_port
 
 
 def master_binary(name: str = "mooncake_master") -> str:
@@ -40,106 +28,7 @@ def master_binary(name: str = "mooncake_master") -> str:
     return found
 
 
-class _Daemon(abc.ABC):
-    """A Mooncake process listening on ``host:port``."""
-
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        *,
-        netns: str | None = None,
-        log_path: str | None = None,
-        extra_args: tuple[str, ...] = (),
-    ) -> None:
-        self.host = host
-        self.port = port or free_port(host if netns is None else "127.0.0.1")
-        self.netns = netns
-        self.log_path = log_path
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @abc.abstractmethod
-    def _command(self) -> list[str]:
-        """The daemon's command line."""
-
-    def start(self, timeout: float = 20.0) -> Self:
-        command = [*self._command(), *self.extra_args]
-        if self.netns is not None:
-            command = ["ip", "netns", "exec", self.netns, *command]
-        self._log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - kept while it runs
-        self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout
-        while not self._accepts():
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{command[0]} exited with {self.proc.returncode} (log: {self.log_path})"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{command[0]} did not listen on {self.address}")
-            time.sleep(0.05)
-        return self
-
-    def _accepts(self) -> bool:
-        if self.netns is not None:
-            probe = ["ip", "netns", "exec", self.netns, "python3", "-c", _CONNECT, self.host]
-            return subprocess.run([*probe, str(self.port)], capture_output=True).returncode == 0
-        try:
-            with socket.create_connection((self.host, self.port), timeout=0.2):
-                return True
-        except OSError:
-            return False
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: the master dies with its metadata, as in a crash."""
-        self._signal(signal.SIGKILL)
-
-    def stop(self) -> None:
-        self._signal(signal.SIGTERM)
-
-    def _signal(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def restart(self) -> Self:
-        """A new process on the same address (a master's metadata starts empty)."""
-        self.stop()
-        return self.start()
-
-    def __enter__(self) -> Self:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class LocalMaster(_Daemon):
+class LocalMaster(Daemon):
     """``mooncake_master`` on ``host``: ``address`` is what clients set as ``master``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -156,7 +45,7 @@ class LocalMaster(_Daemon):
         ]
 
 
-class SegmentServer(_Daemon):
+class SegmentServer(Daemon):
     """``mooncake_client`` on ``host``, giving ``segment_mb`` MiB to ``master``'s pool."""
 
     def __init__(self, master: str, segment_mb: int, *args: Any, **kwargs: Any) -> None:
@@ -175,9 +64,3 @@ class SegmentServer(_Daemon):
             "--metadata_server=P2PHANDSHAKE",
             "--protocol=tcp",
         ]
-
-
-_CONNECT = (
-    "import socket,sys\n"
-    "socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.2).close()"
-)
