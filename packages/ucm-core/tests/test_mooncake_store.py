@@ -10,12 +10,18 @@ import time
 
 import numpy as np
 import pytest
-from core_helpers import blob, key, mooncake_available, mooncake_config
 from ucm.core.block_format import HEADER_BYTES, encode_header
 from ucm.core.config import ConfigError, MooncakeStoreConfig, parse_store_config
 from ucm.core.store import Status
+from ucm.lab.pytest_plugin import require_mooncake, require_namespaces
+from ucm.lab.testing.core import blob, key, mooncake_config
 
-pytestmark = pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+pytestmark = pytest.mark.mooncake
+
+
+@pytest.fixture(autouse=True)
+def _mooncake_here():
+    require_mooncake()
 
 
 @pytest.fixture
@@ -95,7 +101,7 @@ def test_a_full_pool_fails_writes_and_keeps_serving(mooncake_master):
     from ucm.core.store.mooncake import MooncakeStore
 
     # This test's own master: the session master's pool holds other tests' segments.
-    from ucm.core.store.mooncake_master import LocalMaster
+    from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster() as master:
         store = MooncakeStore(mooncake_config(master, global_segment_gb=16 / 1024))
@@ -200,7 +206,7 @@ def _timed(call):
 
 def test_start_up_without_a_master_serves_then_connects(tmp_path):
     from ucm.core.store.mooncake import MooncakeStore
-    from ucm.core.store.mooncake_master import LocalMaster
+    from ucm.lab.mooncake import LocalMaster
 
     master = LocalMaster(log_path=str(tmp_path / "master.log"))  # not started yet
     config = mooncake_config(master, timeout_s=1.0)
@@ -228,7 +234,7 @@ def test_start_up_without_a_master_serves_then_connects(tmp_path):
 
 def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
     from ucm.core.store.mooncake import MooncakeStore
-    from ucm.core.store.mooncake_master import LocalMaster
+    from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
         store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
@@ -279,7 +285,7 @@ def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
 
 def test_a_dump_in_flight_when_the_master_dies_settles(tmp_path):
     from ucm.core.store.mooncake import MooncakeStore
-    from ucm.core.store.mooncake_master import LocalMaster
+    from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
         store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
@@ -344,17 +350,16 @@ def test_valid_settings():
     assert isinstance(tiered.backing, MooncakeStoreConfig)
 
 
+@pytest.mark.root
 def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
     """The master's host drops off the network (its link set down) instead of dying: calls
     hang rather than fail at once.  The first lookup gives up after timeout_s; later calls
     answer at once; when the link is back the store is used again."""
-    from ucm.core.netlab import NetLab, unavailable
     from ucm.core.store.mooncake import MooncakeStore
-    from ucm.core.store.mooncake_master import LocalMaster
+    from ucm.lab.mooncake import LocalMaster
+    from ucm.lab.netlab import NetLab
 
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"cannot make hosts as network namespaces: {reason}")
+    require_namespaces()
     with NetLab(["m"]) as lab:
         master = LocalMaster(
             lab.address("m"), netns=lab.namespace("m"), log_path=str(tmp_path / "master.log")
@@ -388,17 +393,16 @@ def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
                 store.close()
 
 
+@pytest.mark.root
 def test_a_slow_link_to_the_pool_is_slower_and_still_correct(tmp_path):
     """The pool's host (master and segment server) sends through a token bucket of 20 Mbit/s:
     loads take longer and return the stored bytes.  (This kernel has no netem, so latency
     and loss cannot be injected; where it has, NetLab.netem does it.)"""
-    from ucm.core.netlab import NetLab, unavailable
     from ucm.core.store.mooncake import MooncakeStore
-    from ucm.core.store.mooncake_master import LocalMaster, SegmentServer
+    from ucm.lab.mooncake import LocalMaster, SegmentServer
+    from ucm.lab.netlab import NetLab
 
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"cannot make hosts as network namespaces: {reason}")
+    require_namespaces()
     with NetLab(["m"]) as lab:
         ns, host = lab.namespace("m"), lab.address("m")
         master = LocalMaster(host, netns=ns, log_path=str(tmp_path / "master.log"))

@@ -3,12 +3,11 @@
 Keys agree across interpreters, a writer killed at any moment never exposes a torn block,
 corrupt and foreign files are detected (never loaded as data), concurrent processes never
 see wrong bytes, and a failing write (file size limit, full disk) is an error that leaves
-nothing behind.  Child processes are ``_proc_helpers.py`` run as a script.
+nothing behind.  Child processes run ``ucm.lab.testing.procs``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -25,25 +24,14 @@ from ucm.core.config import GIB, PosixStoreConfig
 from ucm.core.keys import Namespace, block_keys
 from ucm.core.store import PosixStore, Status
 from ucm.core.store.posix import _host_tag, scan_store
-
-_spec = importlib.util.spec_from_file_location(
-    "_ucm_proc_helpers", Path(__file__).with_name("_proc_helpers.py")
-)
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
-key_of, payload_of, size_of, temp_files = (
-    helpers.key_of,
-    helpers.payload_of,
-    helpers.size_of,
-    helpers.temp_files,
-)
+from ucm.lab.testing.procs import key_of, payload_of, size_of, temp_files
 
 TIMEOUT = 120
 
 
 def child(mode: str, cfg: dict, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, helpers.HELPERS_PATH, mode, json.dumps(cfg)],
+        [sys.executable, "-m", "ucm.lab.testing.procs", mode, json.dumps(cfg)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

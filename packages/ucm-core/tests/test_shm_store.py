@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from core_helpers import blob, key
 from ucm.core.config import ConfigError, DramStoreConfig, parse_store_config
 from ucm.core.store import SharedMemoryStore, Status, create_store
 from ucm.core.store.shm import mount_of
+from ucm.lab.testing.core import blob, key
 
 WRITER = """
 import sys
 import numpy as np
 from ucm.core.store import create_store
-
-sys.path.insert(0, sys.argv[2])
-from core_helpers import blob, key
+from ucm.lab.testing.core import blob, key
 
 store = create_store({"kind": "dram", "path": sys.argv[1], "capacity_gb": 0.03125})
 results = store.wait(store.dump([key(i) for i in range(8)], [blob(i, 50_000) for i in range(8)]))
@@ -40,8 +37,7 @@ def test_blocks_written_by_another_process_are_found_by_a_store_opened_before(sh
     assert isinstance(scheduler, SharedMemoryStore)
     keys = [key(i) for i in range(8)]
     assert scheduler.lookup_prefix(keys) == 0
-    here = str(Path(__file__).parent)
-    done = subprocess.run([sys.executable, "-c", WRITER, str(shm_dir), here], capture_output=True)
+    done = subprocess.run([sys.executable, "-c", WRITER, str(shm_dir)], capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
     assert scheduler.lookup_prefix(keys) == 8  # the writer has exited: the blocks stay
     out = [np.zeros(50_000, np.uint8) for _ in keys]

@@ -6,7 +6,6 @@ import threading
 import attrs
 import numpy as np
 import pytest
-from core_helpers import blob, key, mooncake_config
 from ucm.core.block_format import HEADER_BYTES
 from ucm.core.config import (
     ConfigError,
@@ -15,15 +14,17 @@ from ucm.core.config import (
     TieredStoreConfig,
 )
 from ucm.core.store import Status, create_store
+from ucm.lab.testing.core import blob, key, mooncake_config
 
 KINDS = [
     "posix",
     "dram",
     "dram-process",
     "tiered",
-    "mooncake",
-    "tiered-mooncake",
-    "posix-over-mooncake",
+    *(
+        pytest.param(kind, marks=pytest.mark.mooncake)
+        for kind in ("mooncake", "tiered-mooncake", "posix-over-mooncake")
+    ),
 ]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -13,8 +12,6 @@ import pytest
 
 if "TRITON_INTERPRET" not in os.environ:  # before ucm.kernels imports triton
     os.environ["TRITON_INTERPRET"] = "1"
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 with warnings.catch_warnings():  # paddle warns at import that ccache is missing: irrelevant
     warnings.filterwarnings("ignore", message="No ccache found")
@@ -55,24 +52,3 @@ def _no_fastdeploy_env(monkeypatch: pytest.MonkeyPatch) -> None:
         "ENABLE_EP_DP_IN_FD",
     ):
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture(scope="session")
-def mooncake_cluster(tmp_path_factory):
-    """A mooncake_master and a segment server (the pool's memory, so blocks outlive the
-    AttentionStore that wrote them) on loopback; skipped where Mooncake is not installed,
-    failed instead under ``UCM_REQUIRE_MOONCAKE=1`` (CI)."""
-    try:
-        import mooncake.store  # noqa: F401
-        from ucm.core.store.mooncake_master import LocalMaster, SegmentServer, master_binary
-
-        master_binary("mooncake_client")
-    except (ImportError, OSError) as exc:
-        reason = f"Mooncake's client is not installed (pip install 'ucm-core[mooncake]'): {exc}"
-        if os.environ.get("UCM_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    logs = tmp_path_factory.mktemp("mooncake")
-    master = LocalMaster(log_path=str(logs / "master.log"))
-    with master, SegmentServer(master.address, 256, log_path=str(logs / "segment.log")) as seg:
-        yield master, seg

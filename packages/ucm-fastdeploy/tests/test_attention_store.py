@@ -6,7 +6,7 @@ import logging
 import os
 
 import pytest
-from fd_testing import (
+from ucm.lab.testing.fastdeploy import (
     BLOCK,
     BLOCKS,
     LAYERS,

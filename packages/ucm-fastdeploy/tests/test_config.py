@@ -85,7 +85,7 @@ def test_process_environment_is_read_by_default(monkeypatch, tmp_path):
 
 
 def test_a_store_that_cannot_hold_one_block_is_refused_when_built():
-    from fd_testing import make_store
+    from ucm.lab.testing.fastdeploy import make_store
 
     # 3 layers x 2 (K, V) x 1 MiB = 6 MiB a block, in a 4 MiB DRAM store
     with pytest.raises(ConfigError) as caught:

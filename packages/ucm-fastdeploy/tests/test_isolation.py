@@ -4,7 +4,14 @@ replicas and roles of one model and shard share them."""
 from __future__ import annotations
 
 import pytest
-from fd_testing import BLOCK, make_store, random_caches, stored_files, tokens, zeros_like
+from ucm.lab.testing.fastdeploy import (
+    BLOCK,
+    make_store,
+    random_caches,
+    stored_files,
+    tokens,
+    zeros_like,
+)
 
 PROMPT = tokens(4 * BLOCK, seed=3)
 
@@ -24,7 +31,7 @@ def test_tensor_parallel_shards_keep_their_own_blocks(store_path):
             assert fd.query("q", PROMPT, 0) == 4
             k2, v2 = zeros_like(k), zeros_like(v)
             assert fd.read("r", k2, v2, PROMPT, [4, 5, 6, 7], 0) == 4
-        from fd_testing import block_bytes
+        from ucm.lab.testing.fastdeploy import block_bytes
 
         assert all(block_bytes(a, 4 + j) == block_bytes(b, j) for a, b in zip(k2, k)
                    for j in range(4))  # fmt: skip

@@ -8,8 +8,16 @@ import time
 
 import numpy as np
 import pytest
-from fd_testing import BLOCK, BLOCKS, block_bytes, make_store, random_caches, tokens, zeros_like
 from ucm.fastdeploy import UCMStorage
+from ucm.lab.testing.fastdeploy import (
+    BLOCK,
+    BLOCKS,
+    block_bytes,
+    make_store,
+    random_caches,
+    tokens,
+    zeros_like,
+)
 
 
 def mooncake(cluster, **overrides) -> dict:
@@ -28,8 +36,8 @@ def _write_through(fd, k, v, token_ids, table):
 
 
 @pytest.mark.parametrize("copy", [True, False], ids=["in-place", "staged"])
-def test_write_through_then_a_fresh_instance_reads(mooncake_cluster, copy):
-    store = mooncake(mooncake_cluster)
+def test_write_through_then_a_fresh_instance_reads(mooncake_pool, copy):
+    store = mooncake(mooncake_pool)
     cfg = {"zero_copy": copy, "store": store}
     k, v = random_caches(1)
     prompt = tokens(5 * BLOCK + 3)
@@ -48,12 +56,12 @@ def test_write_through_then_a_fresh_instance_reads(mooncake_cluster, copy):
                 assert block_bytes(dst[layer], a) == block_bytes(src[layer], b)
 
 
-def test_slice_writes_leave_a_prefix_without_holes(mooncake_cluster):
+def test_slice_writes_leave_a_prefix_without_holes(mooncake_pool):
     blocks = BLOCKS - 2
     k, v = random_caches(2, blocks=BLOCKS)
     prompt = tokens(blocks * BLOCK, seed=4)
     env = {"AS_WRITE_SLICE_BLOCK_NUM": "3"}
-    with make_store("unused", ucm_config={"store": mooncake(mooncake_cluster)}, environ=env) as fd:
+    with make_store("unused", ucm_config={"store": mooncake(mooncake_pool)}, environ=env) as fd:
         assert fd.write("w", k, v, prompt, list(range(blocks)), 0) == blocks
         assert fd.query("q", prompt, 0) == blocks
         k2, v2 = zeros_like(k), zeros_like(v)
@@ -64,7 +72,7 @@ def test_slice_writes_leave_a_prefix_without_holes(mooncake_cluster):
 
 
 def test_a_dead_master_never_raises_and_costs_no_wait(tmp_path):
-    from ucm.core.store.mooncake_master import LocalMaster
+    from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
         store = {**mooncake((master, None)), "global_segment_gb": 0.0625}
@@ -83,14 +91,14 @@ def test_a_dead_master_never_raises_and_costs_no_wait(tmp_path):
             assert time.monotonic() - started < 2.0
 
 
-def test_ucm_storage_round_trip(mooncake_cluster):
+def test_ucm_storage_round_trip(mooncake_pool):
     stride, n = 4096, 4
     rng = np.random.default_rng(1)
     write = rng.integers(0, 256, 2 * n * stride, dtype=np.uint8)
     read = np.zeros_like(write)
     keys = [f"prefix_h{i}_0_key" for i in range(n)] + [f"prefix_h{i}_0_value" for i in range(n)]
     ptrs = [write.ctypes.data + i * stride for i in range(2 * n)]
-    config = {"store": mooncake(mooncake_cluster)}
+    config = {"store": mooncake(mooncake_pool)}
     with UCMStorage(ucm_config=config, environ={}, namespace="m") as fd:
         fd.register_buffer(write.ctypes.data, write.nbytes)
         assert fd.batch_set(keys, ptrs, [stride] * 2 * n) == [0] * 2 * n

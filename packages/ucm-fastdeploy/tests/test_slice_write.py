@@ -7,8 +7,15 @@ import re
 import time
 
 import pytest
-from fd_testing import BLOCK, WrappedStore, make_store, random_caches, stored_files, tokens
 from ucm.core.config import ConfigError
+from ucm.lab.testing.fastdeploy import (
+    BLOCK,
+    WrappedStore,
+    make_store,
+    random_caches,
+    stored_files,
+    tokens,
+)
 
 SLICING = "ucm.core.slicing"
 

@@ -8,8 +8,8 @@ import logging
 import numpy as np
 import paddle
 import pytest
-from fd_testing import WrappedStore, stored_files
 from ucm.fastdeploy import UCMStorage
+from ucm.lab.testing.fastdeploy import WrappedStore, stored_files
 
 STRIDE = 4096  # bytes of one block's K (or V) part of every layer
 BLOCKS = 6

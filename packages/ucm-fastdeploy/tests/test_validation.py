@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import paddle
 import pytest
-from fd_testing import (
+from ucm.lab.testing.fastdeploy import (
     BLOCK,
     BLOCKS,
     LAYERS,

@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
+from ucm.lab.kernels import bench
 
-from ucm.kernels import bench, gather, resolve_backend, triton_available
+from ucm.kernels import gather, resolve_backend, triton_available
 from ucm.kernels.api import _triton_module
 
 

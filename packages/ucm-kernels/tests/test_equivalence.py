@@ -16,11 +16,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ucm.lab.testing.kernels import assert_bits_equal, bits, random_bits, strided_tensor
 
 from ucm.kernels import gather, payload_layout, scatter, triton_available
 from ucm.kernels.api import execute
 from ucm.kernels.fallback import run_fallback
-from ucm.kernels.testing import assert_bits_equal, bits, random_bits, strided_tensor
 from ucm.kernels.validate import build_plan
 
 FAST = settings(

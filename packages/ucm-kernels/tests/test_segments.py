@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ucm.lab.testing.kernels import random_bits
 
 from ucm.kernels import block_segments, gather, payload_nbytes, scatter
-from ucm.kernels.testing import random_bits
 
 
 def _join(parts) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ucm.lab.testing.kernels import assert_bits_equal, random_bits
 
 from ucm.kernels import (
     CacheSpec,
@@ -15,7 +16,6 @@ from ucm.kernels import (
     payload_layout,
     payload_nbytes,
 )
-from ucm.kernels.testing import assert_bits_equal, random_bits
 
 
 def test_sizes_for_a_realistic_vllm_layer_set() -> None:

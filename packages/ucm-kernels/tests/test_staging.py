@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ucm.lab.testing.kernels import assert_bits_equal, random_bits
 
 from ucm.kernels import (
     HostStager,
@@ -12,7 +13,6 @@ from ucm.kernels import (
     gather,
     payload_layout,
 )
-from ucm.kernels.testing import assert_bits_equal, random_bits
 
 cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="pinned staging and side streams need a CUDA GPU"

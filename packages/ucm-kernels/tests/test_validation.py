@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ucm.lab.testing.kernels import assert_bits_equal, random_bits
 
 from ucm.kernels import gather, payload_nbytes, scatter, triton_available
-from ucm.kernels.testing import assert_bits_equal, random_bits
 
 B, H, N, C, L, K = 6, 2, 4, 8, 3, 2
 

@@ -44,13 +44,13 @@ def test_config_file(tmp_path):
 
 
 def test_block_tokens_must_cover_whole_engine_blocks(tmp_path):
-    from scheduler_harness import full_attention_kv_cache_config, make_vllm_config
+    from ucm.lab.testing.vllm.scheduler import full_attention_kv_cache_config, make_vllm_config
     from ucm.vllm.config import ConnectorConfig
     from ucm.vllm.layout import describe
 
     model = tmp_path / "m"
     model.mkdir()
-    from models import tiny_llama_config
+    from ucm.lab.testing.vllm.models import tiny_llama_config
 
     (model / "config.json").write_text(__import__("json").dumps(tiny_llama_config()))
     vc = make_vllm_config(model)

@@ -10,7 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine import assert_close_outputs, assert_same_outputs, run_engine, shared_prefix_prompts
+from ucm.lab.testing.vllm.engine import (
+    assert_close_outputs,
+    assert_same_outputs,
+    run_engine,
+    shared_prefix_prompts,
+)
+
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 
@@ -242,7 +249,7 @@ def test_weights_rewritten_in_place_never_hit(cold, tiny_model, prompts, store_d
     # the new weights without the connector.
     import shutil
 
-    from models import make_tiny_llama
+    from ucm.lab.testing.vllm.models import make_tiny_llama
 
     path = tmp_path / "model"
     shutil.copytree(tiny_model, path)

@@ -9,7 +9,9 @@ import random
 from pathlib import Path
 
 import pytest
-from engine import assert_close_outputs, assert_same_outputs, run_engine
+from ucm.lab.testing.vllm.engine import assert_close_outputs, assert_same_outputs, run_engine
+
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 
@@ -19,7 +21,7 @@ CHUNK = 512  # max_num_batched_tokens: prefill chunks end at 512, 1024, ...
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
-    from models import make_tiny_llama
+    from ucm.lab.testing.vllm.models import make_tiny_llama
 
     return str(
         make_tiny_llama(

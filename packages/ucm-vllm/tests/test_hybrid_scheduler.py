@@ -13,11 +13,11 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from models import tiny_llama_config  # noqa: E402
-from scheduler_harness import SchedulerHarness, layer_name  # noqa: E402
 from ucm.core.config import PosixStoreConfig  # noqa: E402
 from ucm.core.keys import block_keys, scoped_keys  # noqa: E402
 from ucm.core.store import PosixStore  # noqa: E402
+from ucm.lab.testing.vllm.models import tiny_llama_config  # noqa: E402
+from ucm.lab.testing.vllm.scheduler import SchedulerHarness, layer_name  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,

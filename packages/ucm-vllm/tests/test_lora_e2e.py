@@ -5,7 +5,9 @@ adapter, and reuse reproduces a run without the connector."""
 from __future__ import annotations
 
 import pytest
-from engine import assert_same_outputs, run_engine, shared_prefix_prompts
+from ucm.lab.testing.vllm.engine import assert_same_outputs, run_engine, shared_prefix_prompts
+
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 
@@ -14,7 +16,7 @@ LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    from models import make_tiny_lora
+    from ucm.lab.testing.vllm.models import make_tiny_lora
 
     root = tmp_path_factory.mktemp("adapters")
     return {

@@ -1,6 +1,6 @@
 """vLLM on two hosts sharing one Mooncake cluster, with the master killed while one serves.
 
-The hosts are network namespaces on a bridge (ucm.core.netlab): host m runs the
+The hosts are network namespaces on a bridge (ucm.lab.netlab): host m runs the
 mooncake_master and a segment server (mooncake_client, the pool's memory, so that blocks
 outlive the engine that wrote them); engine A runs on host a, engine B on host b, each a
 fresh process.  The reference is vLLM without the connector; every run sends its requests
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine import (
+from ucm.lab.testing.vllm.engine import (
     assert_same_outputs,
     finish_engine,
     mooncake_store,
@@ -23,6 +23,8 @@ from engine import (
     shared_prefix_prompts,
     start_engine,
 )
+
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 
@@ -43,8 +45,8 @@ def reference(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def stored_by_a(cluster, tiny_model):
-    lab, master, _ = cluster
+def stored_by_a(mooncake_hosts, tiny_model):
+    lab, master, _ = mooncake_hosts
     return run_engine(
         {"model": tiny_model, "prompts": X, "store": mooncake_store(master),
          "fresh_prefix_cache": True},
@@ -52,8 +54,10 @@ def stored_by_a(cluster, tiny_model):
     )  # fmt: skip
 
 
-def test_a_prefix_stored_on_one_host_hits_on_another(cluster, tiny_model, reference, stored_by_a):
-    lab, master, _ = cluster
+def test_a_prefix_stored_on_one_host_hits_on_another(
+    mooncake_hosts, tiny_model, reference, stored_by_a
+):
+    lab, master, _ = mooncake_hosts
     assert_same_outputs(_only(reference, [0, 1, 2]), stored_by_a)
     # the 1000-token shared prefix gives 3 store blocks, then one per prompt
     assert stored_by_a["metrics"]["vllm:ucm_dumped_blocks"] >= 3 + len(X)
@@ -70,9 +74,9 @@ def test_a_prefix_stored_on_one_host_hits_on_another(cluster, tiny_model, refere
 
 
 def test_a_killed_master_costs_b_nothing_and_a_new_one_is_used(
-    cluster, tiny_model, reference, stored_by_a, tmp_path
+    mooncake_hosts, tiny_model, reference, stored_by_a, tmp_path
 ):
-    lab, master, _ = cluster
+    lab, master, _ = mooncake_hosts
     spec = {
         "model": tiny_model, "prompts": B_PROMPTS, "store": mooncake_store(master),
         "fresh_prefix_cache": True, "pause_after": [KILLED_AT, RESTARTED_AT],
@@ -121,11 +125,13 @@ def _wait_for(path: Path, engine, timeout: float = 300) -> None:
         time.sleep(0.1)
 
 
-def test_a_slow_link_to_the_pool_still_serves_correct_outputs(cluster, tiny_model, reference):
+def test_a_slow_link_to_the_pool_still_serves_correct_outputs(
+    mooncake_hosts, tiny_model, reference
+):
     """Host m (master and pool) sends through a 5 Mbit/s token bucket: B's loads and dumps
     are slow, its outputs are still those of vLLM alone.  (No netem in this kernel: no
     latency or loss injected.)"""
-    lab, master, _ = cluster
+    lab, master, _ = mooncake_hosts
     lab.throttle("m", 5_000)
     try:
         run = run_engine(

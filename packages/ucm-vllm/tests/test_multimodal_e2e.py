@@ -8,7 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine import assert_same_outputs, run_engine
+from ucm.lab.testing.vllm.engine import assert_same_outputs, run_engine
+
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 
@@ -17,13 +19,13 @@ IMAGE_AT = 320  # the image's placeholders sit in store block 1 (tokens 256..511
 
 @pytest.fixture(scope="module")
 def mm_model(tmp_path_factory):
-    from models import make_tiny_idefics3
+    from ucm.lab.testing.vllm.models import make_tiny_idefics3
 
     return str(make_tiny_idefics3(tmp_path_factory.mktemp("models") / "tiny_idefics3"))
 
 
 def test_multimodal_requests_reuse_blocks_of_the_same_image_only(mm_model, tmp_path):
-    from models import IMAGE_TOKEN_ID, WORD_OFFSET
+    from ucm.lab.testing.vllm.models import IMAGE_TOKEN_ID, WORD_OFFSET
 
     rng = random.Random(11)
     words = [WORD_OFFSET + rng.randrange(1000) for _ in range(IMAGE_AT + 800)]

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from scheduler_harness import SchedulerHarness  # noqa: E402
 from ucm.core.config import PosixStoreConfig  # noqa: E402
 from ucm.core.keys import block_keys, scoped_keys  # noqa: E402
 from ucm.core.store import PosixStore  # noqa: E402
+from ucm.lab.testing.vllm.scheduler import SchedulerHarness  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from engine import mooncake_store, run_engine, shared_prefix_prompts
-from models import make_word_tokenizer, words
-from serve import Server, assert_same, chat, complete
+from ucm.lab.testing.vllm.engine import mooncake_store, run_engine, shared_prefix_prompts
+from ucm.lab.testing.vllm.models import make_word_tokenizer, words
+from ucm.lab.testing.vllm.serve import Server, assert_same, chat, complete
+
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
@@ -229,8 +231,10 @@ def engine_busy(server: Server) -> tuple[float, float, float]:
     )
 
 
-def test_a_client_that_leaves_while_its_kv_loads_is_released(cluster, tiny_model, tokenizer, logs):
-    lab, master, _ = cluster
+def test_a_client_that_leaves_while_its_kv_loads_is_released(
+    mooncake_hosts, tiny_model, tokenizer, logs
+):
+    lab, master, _ = mooncake_hosts
     store = mooncake_store(master, timeout_s=30.0)
     run_engine({"model": tiny_model, "prompts": [SLOW], "store": store},
                prefix=lab.command("a", []))  # fmt: skip

@@ -1,5 +1,6 @@
-"""The ``ucm`` command line: inspect, verify and trim a posix store; name a model's weights;
-run the store benchmark."""
+"""The ``ucm`` command line: inspect, verify and trim a posix store; name a model's weights.
+Other distributions add commands through the ``ucm.commands`` entry points (ucm-lab adds
+``ucm bench``)."""
 
 from __future__ import annotations
 
@@ -124,12 +125,6 @@ def cmd_model_id(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_store(args: argparse.Namespace) -> int:
-    from ucm.core.bench import run_store_bench
-
-    return run_store_bench(args)
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -137,6 +132,20 @@ def _version() -> str:
         return version("ucm-core")
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown"
+
+
+# commands that other distributions add through this entry-point group: each entry is a
+# function given the subparsers; ucm-lab, the project's harness, adds ``ucm bench``
+COMMANDS_GROUP = "ucm.commands"
+# commands of the harness, named in the error that says where they come from
+LAB_COMMANDS = ("bench",)
+
+
+def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=COMMANDS_GROUP):
+        entry.load()(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,45 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     model_id.add_argument("--json", action="store_true", help="print one JSON object")
     model_id.set_defaults(func=cmd_model_id)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bstore = bench_sub.add_parser(
-        "store", help="store throughput against raw I/O, memcpy or Mooncake's own client"
-    )
-    bstore.add_argument(
-        "--path",
-        help="directory to benchmark in (default: a temporary one beside the default store)",
-    )
-    bstore.add_argument(
-        "--total-gb", type=float, default=1.0, help="GiB moved per store and block size (default 1)"
-    )
-    bstore.add_argument(
-        "--block-kib",
-        type=int,
-        nargs="+",
-        default=[2048, 256],
-        help="block sizes in KiB (default 2048 256)",
-    )
-    bstore.add_argument(
-        "--repeat", type=int, default=3, help="runs per case, best kept (default 3)"
-    )
-    bstore.add_argument(
-        "--kind",
-        choices=["local", "mooncake"],
-        default="local",
-        help="local: posix and dram against file I/O and memcpy (default); mooncake: the "
-        "mooncake store against Mooncake's own client",
-    )
-    bstore.add_argument(
-        "--master",
-        help="with --kind mooncake: the master, HOST:PORT (default: one started for the run)",
-    )
-    bstore.add_argument("--json", action="store_true", help="end with one line of JSON")
-    bstore.set_defaults(func=cmd_bench_store)
+    _add_plugin_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from importlib.metadata import entry_points
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    added = {entry.name for entry in entry_points(group=COMMANDS_GROUP)}
+    if argv and argv[0] in LAB_COMMANDS and argv[0] not in added:
+        raise SystemExit(
+            f"ucm: '{argv[0]}' comes with ucm-lab, the project's benchmarks and demos, which "
+            "is not published: from a checkout, pip install ./packages/ucm-lab"
+        )
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -1,0 +1,337 @@
+"""``ucm bench store``: store throughput against baselines measured in the same run.
+
+For each block size, the same bytes go through
+  * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
+  * raw O_DIRECT file I/O and the posix store with ``o_direct``;
+  * memcpy into and out of pre-faulted memory, the dram store (scope process) and the dram
+    store in shared memory (scope host, what vLLM uses);
+  * with ``--kind mooncake``: Mooncake's own client (``batch_put_from`` /
+    ``batch_get_into``, in batches as large as the store's) and the mooncake store, each on
+    a master and a segment server started for the run (or both on ``--master``);
+and the ratio store / baseline is printed per direction.  Each figure is the best of
+``--repeat`` runs, so that a noisy neighbour lowers no ratio by chance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tqdm import tqdm
+from ucm.core.config import (
+    GIB,
+    DramStoreConfig,
+    MooncakeStoreConfig,
+    PosixStoreConfig,
+    default_store_path,
+)
+from ucm.core.store import DramStore, PosixStore, SharedMemoryStore, Store
+
+BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def aligned(size: int) -> mmap.mmap:
+    """A page-aligned buffer of ``size`` bytes, its pages already faulted in."""
+    buf = mmap.mmap(-1, size)
+    buf.write(b"\x01" * size)  # fault the pages in before timing
+    return buf
+
+
+def _best(repeat: int, run: Callable[[], float]) -> float:
+    return min(run() for _ in range(repeat))
+
+
+def raw_file(directory: str, srcs: list, dsts: list, n: int, direct: bool) -> tuple[float, float]:
+    """Seconds to write ``n`` buffers to one file and read them back: the raw baseline."""
+    path = os.path.join(directory, "raw.bin")
+    try:
+        return raw_write(path, srcs, n, direct), raw_read(path, dsts, n, direct)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def raw_write(path: str, srcs: list, n: int, direct: bool) -> float:
+    """Seconds to write ``n`` buffers (cycling through ``srcs``) to one file at ``path``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0)
+    t0 = time.perf_counter()
+    fd = os.open(path, flags, 0o600)
+    try:
+        for i in range(n):
+            os.write(fd, srcs[i % len(srcs)])
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def raw_read(path: str, dsts: list, n: int, direct: bool) -> float:
+    """Seconds to read ``n`` buffers' worth of ``path`` back (cycling through ``dsts``)."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+    try:
+        for i in range(n):
+            os.readv(fd, [dsts[i % len(dsts)]])
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def through_store(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+    """Seconds to dump ``n`` buffers through ``store`` and load them back."""
+    keys = [os.urandom(16) for _ in range(n)]
+    t0 = time.perf_counter()
+    tasks = [
+        store.dump(keys[s : s + BATCH], [srcs[i % len(srcs)] for i in range(s, min(s + BATCH, n))])
+        for s in range(0, n, BATCH)
+    ]
+    for task in tasks:
+        bad = [r for r in store.wait(task) if not r.ok]
+        if bad:
+            raise RuntimeError(f"dump failed: {bad[0]}")
+    t_dump = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in range(0, n, BATCH):  # a batch's buffers are distinct: loads run concurrently
+        batch = keys[s : s + BATCH]
+        bad = [r for r in store.wait(store.load(batch, dsts[: len(batch)])) if not r.ok]
+        if bad:
+            raise RuntimeError(f"load failed: {bad[0]}")
+    t_load = time.perf_counter() - t0
+    store.remove(keys)
+    return t_dump, t_load
+
+
+def _memcpy(srcs: list, pool: list, dsts: list, n: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    for i in range(n):
+        pool[i][:] = srcs[i % len(srcs)]
+    t_in = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(n):
+        dsts[i % len(dsts)][:] = pool[i]
+    return t_in, time.perf_counter() - t0
+
+
+def _lookup_prefix_ms(store: Store, srcs: list, count: int = 512) -> float:
+    keys = [os.urandom(16) for _ in range(count)]
+    store.wait(store.dump(keys, [srcs[0]] * count))
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        found = store.lookup_prefix(keys)
+        times.append(time.perf_counter() - t0)
+        assert found == count
+    store.remove(keys)
+    return 1e3 * statistics.median(times)
+
+
+class _RawMooncake:
+    """Mooncake's client alone: the mooncake store's baseline, moving the same bytes."""
+
+    def __init__(self, master: str, segment_bytes: int) -> None:
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+        from ucm.core.store.mooncake import local_address
+
+        self.client = MooncakeDistributedStore()
+        host, port = master.rsplit(":", 1)
+        code = self.client.setup(
+            local_address(host, int(port)), "P2PHANDSHAKE", segment_bytes, 16 << 20, "tcp", "",
+            master,
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"Mooncake's client could not set up on {master}: {code}")
+
+    def run(self, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+        from ucm.core.store.mooncake import address
+
+        keys = [f"ucm-bench-raw/{os.urandom(16).hex()}" for _ in range(n)]
+        src_ptrs = [address(memoryview(b)) for b in srcs]
+        dst_ptrs = [address(memoryview(b)) for b in dsts]
+        size = len(srcs[0])
+        t0 = time.perf_counter()
+        for s in range(0, n, BATCH):
+            batch = keys[s : s + BATCH]
+            ptrs = [src_ptrs[i % len(srcs)] for i in range(s, s + len(batch))]
+            codes = self.client.batch_put_from(batch, ptrs, [size] * len(batch))
+            if any(codes):
+                raise RuntimeError(f"raw put failed: {sorted(set(codes))}")
+        t_dump = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for s in range(0, n, BATCH):
+            batch = keys[s : s + BATCH]
+            got = self.client.batch_get_into(batch, dst_ptrs[: len(batch)], [size] * len(batch))
+            if any(g != size for g in got):
+                raise RuntimeError(f"raw get failed: {sorted(set(got))}")
+        t_load = time.perf_counter() - t0
+        self.client.batch_remove(keys, True)
+        return t_dump, t_load
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _mooncake_cases(
+    args: argparse.Namespace, n: int, size: int, srcs: list, dsts: list
+) -> tuple[list[tuple[str, Callable[[], tuple[float, float]], str | None]], list[Any]]:
+    """Mooncake's own client and the mooncake store, each on a cluster of its own (a master
+    and a segment server holding the pool) unless ``--master`` names one: then both use it
+    and give it the memory themselves."""
+    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.lab.mooncake import LocalMaster, SegmentServer
+
+    segment = int(1.25 * n * (size + 4096))
+    opened: list[Any] = []
+    if args.master is None:
+        # Blocks go to another process's memory, as to another host's, for both.
+        masters = [LocalMaster().start(), LocalMaster().start()]
+        opened += masters
+        for master in masters:
+            # (mooncake_client aborts on a segment of a few MiB)
+            opened.append(SegmentServer(master.address, max(64, -(-segment >> 20))).start())
+        raw_master, store_master, own = masters[0].address, masters[1].address, 0
+    else:
+        raw_master, store_master, own = args.master, args.master, segment
+    raw = _RawMooncake(raw_master, own)
+    store = MooncakeStore(
+        MooncakeStoreConfig(
+            master=store_master, global_segment_gb=own / GIB, key_prefix="ucm-bench/"
+        )
+    )
+    opened = [raw, store, *reversed(opened)]  # closed in this order
+    if not store.connected:
+        raise RuntimeError(f"the mooncake store could not reach {store_master}")
+    cases: list[tuple[str, Callable[[], tuple[float, float]], str | None]] = [
+        ("raw mooncake", lambda: raw.run(srcs, dsts, n), None),
+        ("mooncake", lambda: through_store(store, srcs, dsts, n), "raw mooncake"),
+    ]
+    return cases, opened
+
+
+def run_store_bench(args: argparse.Namespace) -> int:
+    own_dir = args.path is None
+    # By default, beside the default store: the disk a store would use unless told otherwise.
+    parent = os.path.dirname(default_store_path())
+    if own_dir:
+        os.makedirs(parent, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="ucm-bench-", dir=parent) if own_dir else args.path
+    os.makedirs(root, exist_ok=True)
+    rows: list[dict[str, object]] = []
+    summary: dict[str, object] = {"path": root, "total_gb": args.total_gb, "cases": rows}
+    try:
+        for kib in args.block_kib:
+            size = kib * 1024
+            n = max(BATCH, int(args.total_gb * GIB) // size)
+            srcs = [aligned(size) for _ in range(16)]
+            for i, s in enumerate(srcs):
+                s[:16] = i.to_bytes(16, "little")
+            dsts = [aligned(size) for _ in range(BATCH)]
+            cases: list[tuple[str, Callable[[], tuple[float, float]], str | None]] = []
+            raw_dir = os.path.join(root, "raw")
+            os.makedirs(raw_dir, exist_ok=True)
+            pool: list = []
+            opened: list[Any] = []
+            if args.kind == "mooncake":
+                cases, opened = _mooncake_cases(args, n, size, srcs, dsts)
+            else:
+                posix = PosixStore(PosixStoreConfig(path=os.path.join(root, "posix")))
+                direct = PosixStore(
+                    PosixStoreConfig(path=os.path.join(root, "direct"), o_direct=True)
+                )
+                dram = DramStore(
+                    DramStoreConfig(
+                        capacity_gb=2 * n * size / GIB, scope="process", preallocate=True
+                    )
+                )
+                # the dram store vLLM uses (scope host): its folder is in shared memory
+                shared = SharedMemoryStore(
+                    DramStoreConfig(
+                        capacity_gb=2 * n * size / GIB, path=f"/dev/shm/ucm-bench-{os.getpid()}"
+                    )
+                )
+                opened = [posix, direct, dram, shared]
+                cases = [
+                    ("raw file", lambda: raw_file(raw_dir, srcs, dsts, n, False), None),
+                    ("posix", lambda: through_store(posix, srcs, dsts, n), "raw file"),
+                    ("raw O_DIRECT", lambda: raw_file(raw_dir, srcs, dsts, n, True), None),
+                    (
+                        "posix O_DIRECT",
+                        lambda: through_store(direct, srcs, dsts, n),
+                        "raw O_DIRECT",
+                    ),
+                    ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
+                    ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
+                    ("dram shared", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
+                ]
+            measured: dict[str, tuple[float, float]] = {}
+            label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
+            for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
+                if name == "memcpy":
+                    pool[:] = [aligned(size) for _ in range(n)]
+                timings = [run() for _ in range(args.repeat)]
+                if name == "memcpy":
+                    pool.clear()
+                best = (min(t[0] for t in timings), min(t[1] for t in timings))
+                measured[name] = best
+                gb = n * size / 1e9
+                row: dict[str, object] = {
+                    "block_bytes": size,
+                    "case": name,
+                    "blocks": n,
+                    "dump_gbps": gb / best[0],
+                    "load_gbps": gb / best[1],
+                }
+                if baseline:
+                    base = measured[baseline]
+                    row["baseline"] = baseline
+                    row["dump_ratio"] = base[0] / best[0]
+                    row["load_ratio"] = base[1] / best[1]
+                rows.append(row)
+            if kib == args.block_kib[-1] or n >= 512:
+                store = opened[1] if args.kind == "mooncake" else opened[0]
+                summary.setdefault("lookup_prefix_512_ms", _lookup_prefix_ms(store, srcs))
+                summary["lookup_prefix_store"] = "mooncake" if args.kind == "mooncake" else "posix"
+            for thing in opened:
+                (thing.stop if hasattr(thing, "stop") else thing.close)()
+                if isinstance(thing, SharedMemoryStore):
+                    shutil.rmtree(thing.dram_config.path, ignore_errors=True)
+            shutil.rmtree(raw_dir, ignore_errors=True)
+    finally:
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    _print(rows, summary)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _print(rows: list[dict[str, object]], summary: dict[str, object]) -> None:
+    print(
+        f"{'block':>8}  {'case':<15} {'write GB/s':>10} {'read GB/s':>10} "
+        f"{'write ratio':>11} {'read ratio':>10}  baseline"
+    )
+    for row in rows:
+        size = int(row["block_bytes"])  # type: ignore[call-overload]
+        label = f"{size >> 10} KiB" if size < (1 << 20) else f"{size >> 20} MiB"
+        ratios = (
+            f"{row['dump_ratio']:>11.2f} {row['load_ratio']:>10.2f}  {row['baseline']}"
+            if "baseline" in row
+            else f"{'':>11} {'':>10}"
+        )
+        print(
+            f"{label:>8}  {row['case']:<15} {row['dump_gbps']:>10.2f} "
+            f"{row['load_gbps']:>10.2f} {ratios}"
+        )
+    if "lookup_prefix_512_ms" in summary:
+        print(
+            f"lookup_prefix of 512 keys ({summary['lookup_prefix_store']}): "
+            f"{summary['lookup_prefix_512_ms']:.2f} ms"
+        )

@@ -1,0 +1,1 @@
+"""Benchmarks of ucm-fastdeploy: ``python -m ucm.lab.fastdeploy.bench``."""

@@ -1,0 +1,1 @@
+"""Benchmarks of ucm-kernels: ``python -m ucm.lab.kernels.bench``."""

@@ -1,0 +1,130 @@
+"""The pytest plugin every package's tests share (loaded through the ``pytest11`` entry
+point wherever ucm-lab is installed): the markers and the fixtures that start something
+outside the test process.
+
+Markers (``-m "not engine"`` and so on; the quick tier deselects all three):
+
+- ``engine``: runs a real engine (vLLM or a server), seconds to minutes a test;
+- ``root``: needs root (network namespaces, mounts);
+- ``mooncake``: needs Mooncake's client and daemons.
+
+Tests that use a fixture below get its marker without writing it.  Where Mooncake is
+missing, its tests skip, except under ``UCM_REQUIRE_MOONCAKE=1`` (what the nox sessions
+set): there they fail, so a CI machine without Mooncake cannot pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+MARKERS = {
+    "engine": "runs a real engine (vLLM, a vLLM server): slow",
+    "root": "needs root (network namespaces, mounts)",
+    "mooncake": "needs Mooncake's client and daemons",
+}
+# fixture -> the markers a test using it gets
+FIXTURE_MARKERS = {
+    "mooncake_master": ("mooncake",),
+    "mooncake_pool": ("mooncake",),
+    "mooncake_hosts": ("mooncake", "root"),
+    "tmpfs": ("root",),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            for marker in FIXTURE_MARKERS.get(fixture, ()):
+                item.add_marker(marker)
+
+
+def mooncake_missing(*binaries: str) -> str | None:
+    """Why Mooncake cannot run here (its client, or one of ``binaries``), or None."""
+    try:
+        import mooncake.store  # noqa: F401
+        from ucm.lab.mooncake import master_binary
+
+        for binary in binaries or ("mooncake_master",):
+            master_binary(binary)
+    except (ImportError, OSError) as exc:
+        return f"Mooncake's client is not installed (pip install 'ucm-core[mooncake]'): {exc}"
+    return None
+
+
+def require_mooncake(*binaries: str) -> None:
+    """Skip the calling test where Mooncake is missing, or fail it under
+    ``UCM_REQUIRE_MOONCAKE=1``."""
+    reason = mooncake_missing(*binaries)
+    if reason is None:
+        return
+    if os.environ.get("UCM_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def require_namespaces() -> None:
+    """Skip the calling test where network namespaces cannot be made (not root, no ip)."""
+    from ucm.lab.netlab import unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"cannot make hosts as network namespaces: {reason}")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A ``mooncake_master`` on loopback for the session's tests (each names its keys with
+    a prefix of its own); tests that kill their master start their own."""
+    require_mooncake()
+    from ucm.lab.mooncake import LocalMaster
+
+    log = tmp_path_factory.mktemp("mooncake") / "master.log"
+    with LocalMaster(log_path=str(log)) as master:
+        yield master
+
+
+@pytest.fixture(scope="session")
+def mooncake_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """A master and a segment server (the pool's memory, so that blocks outlive the client
+    that wrote them) on loopback: (master, segment server)."""
+    require_mooncake("mooncake_master", "mooncake_client")
+    from ucm.lab.mooncake import LocalMaster, SegmentServer
+
+    logs = tmp_path_factory.mktemp("mooncake_pool")
+    master = LocalMaster(log_path=str(logs / "master.log"))
+    with master, SegmentServer(master.address, 256, log_path=str(logs / "segment.log")) as seg:
+        yield master, seg
+
+
+@pytest.fixture(scope="module")
+def mooncake_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Any]]:
+    """Hosts m, a and b (network namespaces on a bridge) with a master and a segment
+    server on m: (lab, master, segment server)."""
+    require_mooncake("mooncake_master", "mooncake_client")
+    require_namespaces()
+    from ucm.lab.mooncake import LocalMaster, SegmentServer
+    from ucm.lab.netlab import NetLab
+
+    logs = tmp_path_factory.mktemp("mooncake_hosts")
+    with NetLab(["m", "a", "b"]) as lab:
+        master = LocalMaster(
+            lab.address("m"), netns=lab.namespace("m"), log_path=str(logs / "master.log")
+        ).start()
+        segment = SegmentServer(
+            master.address, 512, lab.address("m"), netns=lab.namespace("m"),
+            log_path=str(logs / "segment.log"),
+        ).start()  # fmt: skip
+        try:
+            yield lab, master, segment
+        finally:
+            segment.stop()
+            master.stop()

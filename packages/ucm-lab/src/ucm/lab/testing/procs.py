@@ -1,0 +1,195 @@
+"""Shared by the multi-process tests: deterministic keys and payloads, and the child processes.
+
+The tests import ``key_of``/``payload_of`` from here and start the children with::
+
+    python -m ucm.lab.testing.procs MODE JSON_CONFIG
+
+Every payload is derived from its key alone, so any process can check any block it loads
+byte for byte without talking to the process that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+
+import xxhash
+
+
+def key_of(i: int, salt: bytes = b"ucm-proc-test") -> bytes:
+    return xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little"))
+
+
+def size_of(key: bytes, max_size: int) -> int:
+    """A payload size in [1, max_size] that depends on the key only."""
+    return 1 + xxhash.xxh3_64_intdigest(b"size" + key) % max_size
+
+
+def payload_of(key: bytes, max_size: int) -> bytes:
+    return random.Random(key).randbytes(size_of(key, max_size))
+
+
+def temp_files(root: str) -> list[str]:
+    """The store's temporary files (``blocks/xx/.*.tmp``) under ``root``."""
+    blocks = os.path.join(root, "blocks")
+    found = []
+    for sub in sorted(os.listdir(blocks)):
+        path = os.path.join(blocks, sub)
+        if os.path.isdir(path):
+            found += [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".tmp")]
+    return found
+
+
+def _store(cfg: dict):
+    from ucm.core.config import DramStoreConfig, PosixStoreConfig
+    from ucm.core.store import PosixStore, SharedMemoryStore
+
+    if cfg.get("dram"):  # a host-scope dram store: a posix store in shared memory
+        return SharedMemoryStore(
+            DramStoreConfig(path=cfg["root"], capacity_gb=cfg.get("capacity_gb") or 1.0)
+        )
+    return PosixStore(
+        PosixStoreConfig(
+            path=cfg["root"],
+            fsync=cfg.get("fsync", "never"),
+            o_direct=cfg.get("o_direct", False),
+            io_threads=cfg.get("io_threads", 4),
+            capacity_gb=cfg.get("capacity_gb"),
+        )
+    )
+
+
+def child_crash(cfg: dict) -> int:
+    """Dump (and remove, and load) blocks forever; the parent kills this with SIGKILL."""
+    from ucm.core.store import Status
+
+    rng = random.Random(cfg["seed"])
+    max_size = cfg["max_size"]
+    keys = [key_of(i) for i in range(cfg["n_keys"])]
+    store = _store(cfg)
+    print("running", flush=True)
+    while True:
+        batch = rng.sample(keys, rng.randint(1, 8))
+        results = store.wait(store.dump(batch, [payload_of(k, max_size) for k in batch]))
+        for k, r in zip(batch, results):
+            if not r.ok:
+                print(f"dump of {k.hex()} failed: {r}", file=sys.stderr, flush=True)
+                return 3
+        if rng.random() < 0.3:  # churn, so that keys are written again
+            store.remove(rng.sample(keys, rng.randint(1, 8)))
+        if rng.random() < 0.3:  # and a reader may be killed too
+            batch = rng.sample(keys, rng.randint(1, 4))
+            outs = [bytearray(size_of(k, max_size)) for k in batch]
+            for k, out, r in zip(batch, outs, store.wait(store.load(batch, outs))):
+                if r.status is Status.OK and bytes(out) != payload_of(k, max_size):
+                    print(f"load of {k.hex()} returned wrong bytes", file=sys.stderr, flush=True)
+                    return 4
+                if r.status not in (Status.OK, Status.MISS):
+                    print(f"load of {k.hex()}: {r}", file=sys.stderr, flush=True)
+                    return 5
+
+
+def child_stress(cfg: dict) -> int:
+    """Dump, load, remove and look up overlapping keys until the time is up; report counts."""
+    from ucm.core.store import Status
+
+    rng = random.Random(cfg["seed"])
+    max_size = cfg["max_size"]
+    keys = [key_of(i) for i in range(cfg["n_keys"])]
+    expected = {k: payload_of(k, max_size) for k in keys}
+    store = _store(cfg)
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent says go once every child is ready
+    counts: Counter[str] = Counter()
+    bad: list[str] = []
+    deadline = time.monotonic() + cfg["seconds"]
+    while time.monotonic() < deadline:
+        op = rng.random()
+        batch = rng.sample(keys, rng.randint(1, 8))
+        if op < 0.45:
+            for k, r in zip(batch, store.wait(store.dump(batch, [expected[k] for k in batch]))):
+                counts[f"dump_{r.status.value}"] += 1
+                if not r.ok:
+                    bad.append(f"dump {k.hex()}: {r}")
+        elif op < 0.9:
+            outs = [bytearray(len(expected[k])) for k in batch]
+            for k, out, r in zip(batch, outs, store.wait(store.load(batch, outs))):
+                counts[f"load_{r.status.value}"] += 1
+                if r.status is Status.OK:
+                    if bytes(out) != expected[k]:
+                        bad.append(f"load {k.hex()}: OK with wrong bytes")
+                elif r.status is not Status.MISS:
+                    bad.append(f"load {k.hex()}: {r}")
+        elif op < 0.95:
+            counts["removed"] += store.remove(batch)
+        else:
+            store.lookup(batch)
+            store.lookup_prefix(batch)
+            counts["lookups"] += 1
+    store.close()
+    print(json.dumps({"counts": dict(counts), "bad": bad[:20], "n_bad": len(bad)}), flush=True)
+    return 0
+
+
+def child_fsize(cfg: dict) -> int:
+    """Dump blocks past RLIMIT_FSIZE (writes fail with EFBIG) and then a small one; report."""
+    import resource
+    import signal
+
+    from ucm.core.block_format import HEADER_BYTES
+
+    store = _store(cfg)
+    store.usage()  # the initial scan is done: nothing else of this process writes files
+    limit = cfg["limit"]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG, do not die
+
+    def block(i: int, size: int) -> tuple[bytes, bytes]:
+        k = key_of(i, b"fsize")
+        return k, random.Random(k).randbytes(size)
+
+    sizes = {
+        "big": 4 * limit,
+        "just_over": limit - HEADER_BYTES + 1,  # the file would be one byte over the limit
+        "exact": limit - HEADER_BYTES,  # exactly the limit (page-aligned: also with O_DIRECT)
+        "small": 1000,
+    }
+    blocks = {name: block(i, size) for i, (name, size) in enumerate(sizes.items())}
+    names = ["big", "exact", "just_over"]
+    results = store.wait(store.dump([blocks[n][0] for n in names], [blocks[n][1] for n in names]))
+    report: dict = {"first": {n: [r.status.value, r.detail] for n, r in zip(names, results)}}
+    report["lookup"] = dict(zip(names, store.lookup([blocks[n][0] for n in names])))
+    report["usage_after_failures"] = [store.usage().blocks, store.usage().bytes]
+    k, data = blocks["small"]
+    (r,) = store.wait(store.dump([k], [data]))
+    report["small_dump"] = [r.status.value, r.detail]
+    out = bytearray(len(data))
+    (r,) = store.wait(store.load([k], [out]))
+    report["small_load"] = [r.status.value, r.detail, bytes(out) == data]
+    report["usage_end"] = [store.usage().blocks, store.usage().bytes]
+    report["keys"] = {n: b[0].hex() for n, b in blocks.items()}
+    report["sizes"] = sizes
+    store.close()
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+def child_sleep(cfg: dict) -> int:
+    print("running", flush=True)
+    time.sleep(cfg.get("seconds", 600))
+    return 0
+
+
+CHILDREN = {
+    "crash": child_crash,
+    "stress": child_stress,
+    "fsize": child_fsize,
+    "sleep": child_sleep,
+}
+
+if __name__ == "__main__":
+    sys.exit(CHILDREN[sys.argv[1]](json.loads(sys.argv[2])))

@@ -1,0 +1,136 @@
+"""Run one vLLM engine in this process and print its outputs as JSON (used by the tests).
+
+    python -m ucm.lab.testing.vllm.run_engine SPEC_JSON
+
+SPEC: model, prompts (token id lists), max_tokens, store (a store dict or null: no
+connector), extra (more kv_connector_extra_config), engine (more LLM kwargs), adapters
+(per prompt, a LoRA adapter as [name, id, path] or null), images (per prompt, the seed of a
+random 112-pixel image for the prompt's image token, or null), together (send the prompts
+in one ``generate`` call; by default they go one at a time), fresh_prefix_cache (empty vLLM's
+own prefix cache before each request, so that a repeat is served by the store), pause_after
+and pause_dir (before request pause_after[k], create PAUSE_DIR/paused-k and wait for
+PAUSE_DIR/resume-k: the test makes or mends a fault meanwhile).
+Every run pins the CPU threads the same way (../shared/DESIGN.md section 3), so outputs of
+runs with and without the connector are comparable bit for bit, as long as the requests go
+one at a time: vLLM CPU's numerics move with the shape of the batch (logprobs by ~0.05).
+"""
+
+import os
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=32,
+        gpu_memory_utilization=0.3,
+        seed=0,
+        max_model_len=4096,
+        disable_log_stats=False,
+    )
+    kw.update(spec.get("engine", {}))
+    if spec.get("store") is not None:
+        extra = {"store": spec["store"], **spec.get("extra", {})}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "UCMConnector",
+            "kv_connector_module_path": "ucm.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    llm = LLM(**kw)
+    # the top two logprobs: the margin between them says how decisive each greedy pick was
+    params = SamplingParams(
+        temperature=0, max_tokens=spec.get("max_tokens", 8), logprobs=2, detokenize=False
+    )
+    images = spec.get("images") or [None] * len(spec["prompts"])
+    prompts = [
+        TokensPrompt(prompt_token_ids=p)
+        if seed is None
+        else TokensPrompt(prompt_token_ids=p, multi_modal_data={"image": _image(seed)})
+        for p, seed in zip(spec["prompts"], images)
+    ]
+    together = bool(spec.get("together", False))
+    loras = [_lora(a) for a in spec.get("adapters") or [None] * len(prompts)]
+    t0 = time.perf_counter()
+    took = [None] * len(prompts)
+    if together:
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    else:
+        outputs = []
+        for i, (p, lora) in enumerate(zip(prompts, loras)):
+            if i in spec.get("pause_after", ()):
+                _pause(spec["pause_dir"], spec["pause_after"].index(i))
+            if spec.get("fresh_prefix_cache"):
+                llm.reset_prefix_cache()
+            started = time.perf_counter()
+            outputs.append(llm.generate([p], params, use_tqdm=False, lora_request=lora)[0])
+            took[i] = time.perf_counter() - started
+    seconds = time.perf_counter() - t0
+    result = {"seconds": seconds, "together": together, "outputs": []}
+    for out, request_seconds in zip(outputs, took):
+        completion = out.outputs[0]
+        result["outputs"].append(
+            {
+                "seconds": request_seconds,
+                "tokens": list(completion.token_ids),
+                "logprobs": [
+                    lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs)
+                ],
+                "margins": [_margin(lp) for lp in completion.logprobs],
+                "num_cached_tokens": out.num_cached_tokens,
+            }
+        )
+    metrics = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:ucm_") or metric.name == "vllm:num_preemptions":
+            metrics[metric.name] = getattr(metric, "value", None)
+    result["metrics"] = metrics
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _pause(folder: str, k: int) -> None:
+    open(os.path.join(folder, f"paused-{k}"), "w").close()
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(folder, f"resume-{k}")):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no resume within 300 s")
+        time.sleep(0.05)
+
+
+def _image(seed: int):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (112, 112, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _lora(adapter: list | None):
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    name, int_id, path = adapter
+    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+def _margin(logprobs: dict) -> float:
+    """The gap between the best and the second-best logprob at one position."""
+    ranked = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
+
+
+if __name__ == "__main__":
+    main()
