@@ -127,7 +127,7 @@ def _named_tests(session: nox.Session) -> bool:
     return any(Path(arg.split("::")[0]).exists() for arg in session.posargs)
 
 
-def _pytest(session: nox.Session, packages: list[str]) -> None:
+def _pytest(session: nox.Session, packages: list[str], *options: str) -> None:
     """pytest over the packages' tests, or over the tests named after ``--``."""
     dirs = [f"{p}/tests" for p in packages if any(Path(p, "tests").glob("test_*.py"))]
     session.run(
@@ -135,6 +135,7 @@ def _pytest(session: nox.Session, packages: list[str]) -> None:
         "--import-mode=importlib",
         "-p",
         "no:cacheprovider",
+        *options,
         *([] if _named_tests(session) else dirs),
         *session.posargs,
         # a missing Mooncake client fails its tests here rather than skipping them
@@ -152,6 +153,19 @@ def tests(session: nox.Session) -> None:
         for python in CORE_PYTHONS:
             if python != PYTHON:
                 session.notify(f"tests_core-{python}")
+
+
+# the everyday tier: what needs no engine, no root and no Mooncake (markers of ucm.lab's
+# pytest plugin)
+QUICK = "not engine and not root and not mooncake"
+
+
+@nox.session(python=PYTHON)
+def tests_quick(session: nox.Session) -> None:
+    """Every package's tests but those that run an engine, need root or need Mooncake: the
+    everyday tier, a few minutes (``nox -s tests`` runs all of them)."""
+    _install_wheels(session, PACKAGES, TEST_EXTRAS)
+    _pytest(session, PACKAGES, "-m", QUICK)
 
 
 @nox.session(python=CORE_PYTHONS, tags=["matrix"])

@@ -1,7 +1,7 @@
 import threading
 
 from ucm.core.lifecycle import DumpTracker
-from ucm.core.store.base import OK, KeyResult, Status, Task
+from ucm.core.store.task import OK, KeyResult, Status, Task
 
 
 def pending_task(n=2):

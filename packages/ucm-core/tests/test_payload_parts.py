@@ -53,7 +53,7 @@ SIZES = [1, 0, 4095, 300 << 10, 17, 0, 64 << 10]
 @pytest.mark.parametrize("piece", [None, 4096, 5000], ids=["default", "page", "odd"])
 def test_parts_and_one_buffer_are_the_same_block(store, piece, monkeypatch):
     if piece is not None:  # reads cut into many pieces, some parts cut, some grouped
-        monkeypatch.setattr("ucm.core.store.posix._READ_PIECE", piece)
+        monkeypatch.setattr("ucm.core.store.posix.fileio.READ_PIECE", piece)
     data = [blob(i, 700 << 10) for i in range(3)]
     keys = [key(i) for i in range(3)]
     # key 0 dumped as parts and key 1 as one buffer; both read back both ways

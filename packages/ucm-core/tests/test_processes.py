@@ -23,7 +23,7 @@ from ucm.core.block_format import HEADER_BYTES
 from ucm.core.config import GIB, PosixStoreConfig
 from ucm.core.keys import Namespace, block_keys
 from ucm.core.store import PosixStore, Status
-from ucm.core.store.posix import _host_tag, scan_store
+from ucm.core.store.posix import host_tag, scan_store
 from ucm.lab.testing.procs import key_of, payload_of, size_of, temp_files
 
 TIMEOUT = 120
@@ -188,9 +188,7 @@ def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
     assert present, "the children stored nothing"
 
     # what a writer killed mid-block leaves (kills land there only now and then, so make sure)
-    leftover = block_path(root, key_of(0)).parent / temp_name(
-        key_of(0).hex(), _host_tag(), proc.pid
-    )
+    leftover = block_path(root, key_of(0)).parent / temp_name(key_of(0).hex(), host_tag(), proc.pid)
     leftover.parent.mkdir(exist_ok=True)
     leftover.write_bytes(b"half a block")
     # a new store's initial scan removes the temporary files of the dead writers
@@ -228,7 +226,7 @@ def test_stale_temp_files_removed_only_when_their_writer_is_gone(tmp_path):
     k = key_of(1)
     store.wait(store.dump([k], [payload_of(k, 5000)]))
     store.close()
-    host = _host_tag()
+    host = host_tag()
     sub = block_path(root, k).parent
     live = child("sleep", {"seconds": 300})
     try:

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Hashable, Iterable
 
 import attrs
-from ucm.core.store.base import KeyResult, Task
+from ucm.core.store.task import KeyResult, Task
 
 log = logging.getLogger(__name__)
 

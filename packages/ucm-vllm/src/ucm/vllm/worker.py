@@ -37,7 +37,7 @@ import torch
 from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store import KeyResult, Task
-from ucm.core.store.base import Payload
+from ucm.core.store.payload import Payload
 from ucm.kernels import BlockSegments, HostStager, block_segments, payload_nbytes
 from ucm.vllm.buffers import RowPool
 from ucm.vllm.layout import GroupLayout, ModelLayout

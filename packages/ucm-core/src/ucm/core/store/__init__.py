@@ -13,10 +13,12 @@ from ucm.core.config import (
     TieredStoreConfig,
     parse_store_config,
 )
-from ucm.core.store.base import KeyResult, Payload, Status, Store, StoreUsage, Task
+from ucm.core.store.base import Store, StoreUsage
 from ucm.core.store.dram import DramStore
+from ucm.core.store.payload import Payload
 from ucm.core.store.posix import PosixStore
 from ucm.core.store.shm import SharedMemoryStore
+from ucm.core.store.task import KeyResult, Status, Task
 from ucm.core.store.tiered import TieredStore
 
 

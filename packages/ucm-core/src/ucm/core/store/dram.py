@@ -18,20 +18,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ucm.core.config import ConfigError, DramStoreConfig
-from ucm.core.store.base import (
-    MISS,
-    OK,
-    KeyResult,
-    Payload,
-    Status,
-    Store,
-    StoreUsage,
-    Task,
-    check_batch,
-    check_keys,
-    copy_parts,
-    fill_parts,
-)
+from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.payload import Payload, copy_parts, fill_parts
+from ucm.core.store.task import MISS, OK, KeyResult, Status, Task
 
 SLAB_BYTES = 64 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

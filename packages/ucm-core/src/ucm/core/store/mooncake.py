@@ -37,16 +37,9 @@ from ucm.core.block_format import (
     verify_payload,
 )
 from ucm.core.config import ConfigError, MooncakeStoreConfig
-from ucm.core.store.base import (
-    KeyResult,
-    Payload,
-    Status,
-    Store,
-    StoreUsage,
-    Task,
-    check_batch,
-    check_keys,
-)
+from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.payload import Payload
+from ucm.core.store.task import KeyResult, Status, Task
 
 log = logging.getLogger(__name__)
 

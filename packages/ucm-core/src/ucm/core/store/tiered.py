@@ -13,9 +13,10 @@ import threading
 from collections.abc import Sequence
 
 from ucm.core.config import ConfigError
-from ucm.core.store.base import CANCELLED, Store, StoreUsage, Task, check_batch, check_keys
+from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram import DramStore
 from ucm.core.store.shm import SharedMemoryStore
+from ucm.core.store.task import CANCELLED, Task
 
 
 class TieredStore(Store):

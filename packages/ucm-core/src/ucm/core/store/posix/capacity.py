@@ -1,0 +1,87 @@
+"""The posix store's capacity policy, apart from its I/O: what one process counts against
+the limit, when a block fits, how far an eviction pass goes, and which blocks it takes
+first.  Pure (no files, no locks: the store holds its lock around every call), so it is
+tested alone.
+
+Capacity is shared by every process using the directory, so it is enforced from what is on
+disk: when this process's count would pass the limit, the store scans the directory and
+deletes the least recently used blocks (recency is the file's mtime, which every load
+refreshes) until ``evict_fraction`` of the capacity is free.  Blocks this process is reading
+are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Protocol
+
+import attrs
+
+
+class StoredBlock(Protocol):
+    """What the policy needs of a block found on disk."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def mtime_ns(self) -> int: ...
+
+
+@attrs.define
+class Capacity:
+    """The limit (``None``: none) and this process's count against it: blocks on disk it
+    knows of, and bytes being written now."""
+
+    limit: int | None
+    evict_fraction: float
+    used_bytes: int = 0
+    used_blocks: int = 0
+    inflight_bytes: int = 0
+
+    def refusal(self, size: int) -> str | None:
+        """Why a block of ``size`` bytes can never be stored, or None."""
+        if self.limit is not None and size > self.limit:
+            return f"a block of {size} bytes is larger than the capacity ({self.limit} bytes)"
+        return None
+
+    def take(self, size: int) -> bool:
+        """Count ``size`` bytes about to be written, if they fit now."""
+        if self.limit is not None and self.used_bytes + self.inflight_bytes + size > self.limit:
+            return False
+        self.inflight_bytes += size
+        return True
+
+    def eviction_target(self, size: int) -> int:
+        """The bytes an eviction pass leaves on disk to make room for ``size`` more: down to
+        ``1 - evict_fraction`` of the limit, less what is being written."""
+        assert self.limit is not None, "an unlimited store never evicts"
+        floor = int(self.limit * (1 - self.evict_fraction))
+        return max(0, floor - size - self.inflight_bytes)
+
+    def finished(self, size: int, published: bool) -> None:
+        """A write of ``size`` bytes ended; ``published``: its block is now on disk."""
+        self.inflight_bytes -= size
+        if published:
+            self.add(size)
+
+    def add(self, size: int, blocks: int = 1) -> None:
+        self.used_bytes += size
+        self.used_blocks += blocks
+
+    def remove(self, size: int) -> None:
+        self.used_bytes -= size
+        self.used_blocks -= 1
+
+    def counted(self, used_bytes: int, used_blocks: int) -> None:
+        """What an eviction pass left on disk: the count starts again from it."""
+        self.used_bytes = used_bytes
+        self.used_blocks = used_blocks
+
+
+def eviction_order(
+    blocks: Iterable[StoredBlock], skip: Collection[str] = frozenset()
+) -> Sequence[StoredBlock]:
+    """The blocks an eviction pass may delete, least recently used first (``skip``: names
+    of blocks being read)."""
+    return sorted((b for b in blocks if b.name not in skip), key=lambda b: b.mtime_ns)

@@ -1,0 +1,128 @@
+"""The posix store's file I/O: vectored writes and reads that fill a block's parts in
+place, reads hashed piece by piece while each piece is still in the CPU cache, and the
+per-thread bounce buffers that O_DIRECT needs."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+
+import xxhash
+from ucm.core.block_format import HEADER_BYTES, BlockFormatError
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class Bounce(threading.local):
+    """Per-thread buffers: a header page, and a page-aligned one for O_DIRECT I/O."""
+
+    buf: mmap.mmap | None = None
+    header: bytearray | None = None
+
+    def page(self) -> bytearray:
+        if self.header is None:
+            self.header = bytearray(HEADER_BYTES)
+        return self.header
+
+    def get(self, size: int) -> mmap.mmap:
+        if self.buf is None or len(self.buf) < size:
+            # Not closed: views of the old buffer may still be alive; it goes with the last.
+            self.buf = mmap.mmap(-1, round_up(size))
+        return self.buf
+
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def pwrite_all(fd: int, parts: list[memoryview]) -> None:
+    offset = 0
+    parts = [p for p in parts if p.nbytes]
+    while parts:
+        written = os.pwritev(fd, parts[:IOV_MAX], offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "write returned no progress")
+        offset += written
+        done = 0
+        while done < len(parts) and written >= parts[done].nbytes:
+            written -= parts[done].nbytes
+            done += 1
+        del parts[:done]
+        if parts and written:
+            parts[0] = parts[0][written:]
+
+
+def pread_into(fd: int, out: memoryview, offset: int) -> int:
+    """Fill ``out`` from ``offset``.  Returns bytes read: fewer only at end of file.
+
+    A regular file returns a short read only at its end, so one short read ends the loop
+    (which also keeps every O_DIRECT read at an aligned offset)."""
+    done = 0
+    while done < out.nbytes:
+        got = os.preadv(fd, [out[done:]], offset + done)
+        done += got
+        if got == 0 or done < out.nbytes:
+            break
+    return done
+
+
+# Bytes per read system call at most, each piece hashed right after it is read (from the
+# L3 cache, still).  Measured on the development machine (2 vCPU, two I/O threads, 1 GiB of
+# 4 MiB blocks from the page cache, each case in turns with the raw read, 30 rounds):
+# blocks of 32 scattered 128 KiB parts read at 0.80-0.81 of a raw read (medians) in pieces
+# of 1 MiB, 0.87-0.93 in 2 MiB and 0.90-0.92 in 4 MiB; contiguous blocks at about 1.1
+# either way.  Smaller pieces cost more in system calls and per-call Python than a hash
+# from the L2 cache saves.
+READ_PIECE = 2 << 20
+
+
+def read_hashing(fd: int, parts: Sequence[memoryview], offset: int) -> int:
+    """Fill ``parts`` in order from ``offset`` and return the xxh3-64 of what was read.
+
+    Reads go in pieces of at most ``READ_PIECE`` bytes (small parts together, large ones
+    cut), each hashed after it is read."""
+    hasher = xxhash.xxh3_64()
+    group: list[memoryview] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal offset, size
+        if os.preadv(fd, group, offset) < size:
+            raise BlockFormatError("file shrank while being read")
+        for piece in group:
+            hasher.update(piece)
+        offset += size
+        group.clear()
+        size = 0
+
+    for part in parts:
+        n = part.nbytes
+        pieces = (
+            (part,)  # most parts: no new view to make
+            if n <= READ_PIECE
+            else [part[at : at + READ_PIECE] for at in range(0, n, READ_PIECE)]
+        )
+        for piece in pieces:
+            if size + piece.nbytes > READ_PIECE or len(group) == IOV_MAX:
+                flush()
+            group.append(piece)
+            size += piece.nbytes
+    if group:
+        flush()
+    return hasher.intdigest()
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

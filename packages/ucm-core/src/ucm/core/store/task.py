@@ -1,0 +1,202 @@
+"""A store's unit of work: one result per key (:class:`KeyResult`), gathered by a
+:class:`Task` that the caller waits on, cancels, or combines from the tasks of several
+stores."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+log = logging.getLogger(__name__)
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    MISS = "miss"  # nothing stored under the key
+    CORRUPT = "corrupt"  # stored, but failed verification; removed, so it reads as a miss
+    ERROR = "error"  # the I/O failed (disk full, permission, wrong buffer size, ...)
+    CANCELLED = "cancelled"  # the task was cancelled before this key was done (not stored)
+
+
+@attrs.frozen
+class KeyResult:
+    status: Status
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+OK = KeyResult(Status.OK)
+MISS = KeyResult(Status.MISS)
+CANCELLED = KeyResult(Status.CANCELLED)
+
+
+class Task:
+    """One batched operation in flight: completed key by key by the store's workers.
+
+    A store's worker runs each key through :meth:`run_key`, which counts the keys in
+    progress, so that :meth:`cancel` can wait until none of them touches the caller's
+    buffers any more."""
+
+    __slots__ = (
+        "_busy",
+        "_callbacks",
+        "_cancelled",
+        "_event",
+        "_idle",
+        "_lock",
+        "_parts",
+        "_remaining",
+        "_results",
+    )
+
+    def __init__(self, n: int) -> None:
+        self._results: list[KeyResult | None] = [None] * n
+        self._remaining = n
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0  # keys in progress in run_key
+        self._event = threading.Event()
+        self._cancelled = False
+        self._callbacks: list[Callable[[Task], Any]] = []
+        self._parts: list[Task] = []  # sub-tasks of a combined task, cancelled with it
+        if n == 0:
+            self._event.set()
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    @classmethod
+    def completed(cls, results: Sequence[KeyResult]) -> Task:
+        task = cls(len(results))
+        for i, result in enumerate(results):
+            task.set_result(i, result)
+        return task
+
+    def set_result(self, index: int, result: KeyResult) -> None:
+        with self._lock:
+            if self._results[index] is not None:
+                raise RuntimeError(f"result {index} of a task set twice")
+            self._results[index] = result
+            self._remaining -= 1
+            finished = self._remaining == 0
+            callbacks = self._callbacks if finished else []
+            if finished:
+                self._callbacks = []
+        if finished:
+            self._event.set()
+            for callback in callbacks:
+                callback(self)
+
+    def add_done_callback(self, callback: Callable[[Task], Any]) -> None:
+        """Run ``callback(task)`` once every key has a result (now, if it already has)."""
+        with self._lock:
+            if self._remaining:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def run_key(self, index: int, work: Callable[[], KeyResult]) -> None:
+        """Run ``work()`` for key ``index`` and record its result, or record ``CANCELLED``
+        without running it once the task is cancelled.  An exception is an ``ERROR``
+        result: a bug in one key must not leave the task hanging."""
+        self.run_keys((index,), lambda: (work(),))
+
+    def run_keys(self, indices: Sequence[int], work: Callable[[], Sequence[KeyResult]]) -> None:
+        """:meth:`run_key` for several keys moved by one call (``work()`` returns their
+        results in order)."""
+        with self._lock:
+            start = not self._cancelled
+            if start:
+                self._busy += 1
+        if not start:
+            for index in indices:
+                self.set_result(index, CANCELLED)
+            return
+        try:
+            try:
+                results = work()
+                if len(results) != len(indices):
+                    raise RuntimeError(f"{len(results)} results for {len(indices)} keys")
+            except Exception as exc:
+                log.exception("ucm store: unexpected failure")
+                results = [KeyResult(Status.ERROR, f"unexpected: {exc!r}")] * len(indices)
+            for index, result in zip(indices, results):
+                self.set_result(index, result)  # callbacks run here, still counted as busy
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if not self._busy:
+                    self._idle.notify_all()
+
+    def cancel(self, wait: float | None = 0.0) -> bool:
+        """Stop the task: keys not yet started finish as ``CANCELLED``, and a dump in
+        progress is not published (its block is not stored); a load in progress completes.
+
+        ``wait``: seconds to wait (``None``: no limit) until no key is in progress.  Returns
+        whether none is: then the store no longer reads or writes the caller's buffers.  (Not
+        from a done callback of the task itself: the callback counts as in progress.)
+        """
+        self._cancelled = True
+        with self._lock:
+            parts = list(self._parts)
+        deadline = None if wait is None else time.monotonic() + wait
+        quiet = all(part.cancel(_left(deadline)) for part in parts)
+        with self._lock:
+            while self._busy:
+                left = _left(deadline)
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return quiet
+
+    def add_part(self, part: Task) -> None:
+        """Make ``part`` a sub-task started later (cancelled with this one, at once if this
+        one already is)."""
+        with self._lock:
+            self._parts.append(part)
+        if self._cancelled:
+            part.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def partial(self) -> list[KeyResult | None]:
+        """The results so far: ``None`` for keys not done yet (never blocks)."""
+        with self._lock:
+            return list(self._results)
+
+    def wait(self, timeout: float | None = None) -> list[KeyResult]:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self._remaining} of {len(self._results)} keys still in flight")
+        return [r for r in self._results if r is not None]
+
+    @classmethod
+    def combine(cls, n: int, parts: Sequence[tuple[Sequence[int], Task]]) -> Task:
+        """A task over ``n`` keys whose results come from ``parts`` (positions, sub-task)."""
+        whole = cls(n)
+        whole._parts = [part for _, part in parts]
+        for positions, part in parts:
+
+            def forward(done: Task, positions: Sequence[int] = positions) -> None:
+                for pos, result in zip(positions, done.wait(0)):
+                    whole.set_result(pos, result)
+
+            part.add_done_callback(forward)
+        return whole
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
