@@ -12,7 +12,7 @@ def shm_dir():
     import shutil
     import uuid
 
-    from ucm.core.store.shm import MEMORY_FILESYSTEMS, mount_of
+    from ucm.core.store.dram.shared import MEMORY_FILESYSTEMS, mount_of
 
     found = mount_of("/dev/shm") if Path("/dev/shm").is_dir() else None
     if found is None or found[1] not in MEMORY_FILESYSTEMS:

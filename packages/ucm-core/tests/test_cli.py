@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import xxhash
 from ucm.core.block_format import HEADER_BYTES
-from ucm.core.config import GIB, PosixStoreConfig
+from ucm.core.config import PosixStoreConfig
+from ucm.core.settings import GIB
 from ucm.core.store import PosixStore
 from ucm.core.store.posix import scan_store
 

@@ -2,15 +2,13 @@ import os
 
 import pytest
 from ucm.core.config import (
-    ConfigError,
     DramStoreConfig,
     PosixStoreConfig,
     TieredStoreConfig,
     default_store_path,
-    load_yaml,
     parse_store_config,
-    with_config_file,
 )
+from ucm.core.settings import ConfigError, load_yaml, with_config_file
 from ucm.core.store import DramStore, PosixStore, SharedMemoryStore, TieredStore, create_store
 
 

@@ -32,7 +32,7 @@ def test_dram_reuses_evicted_buffers():
 
 @pytest.mark.parametrize("preallocate", [False, True])
 def test_dram_mixed_sizes_under_pressure(preallocate):
-    from ucm.core.store.dram import SLAB_BYTES
+    from ucm.core.store.dram.process import SLAB_BYTES
 
     cap = 2 * SLAB_BYTES
     s = DramStore(DramStoreConfig(capacity_gb=cap / GIB, scope="process", preallocate=preallocate))
@@ -57,7 +57,8 @@ def test_dram_errors():
 
 
 def test_dram_bad_config():
-    from ucm.core.config import ConfigError, parse_store_config
+    from ucm.core.config import parse_store_config
+    from ucm.core.settings import ConfigError
 
     with pytest.raises(ConfigError, match="store.preallocate"):
         parse_store_config({"kind": "dram", "preallocate": "yes"})

@@ -3,15 +3,7 @@ import math
 import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
-from ucm.core.config import (
-    GIB,
-    ConfigError,
-    DramStoreConfig,
-    HybridSettings,
-    PosixStoreConfig,
-    TieredStoreConfig,
-    from_dict,
-)
+from ucm.core.config import DramStoreConfig, HybridSettings, PosixStoreConfig, TieredStoreConfig
 from ucm.core.hybrid import (
     HybridLayout,
     KVGroup,
@@ -21,6 +13,7 @@ from ucm.core.hybrid import (
     wa_lookup_boundaries,
 )
 from ucm.core.hybrid_store import plan_dump, split_store_config
+from ucm.core.settings import GIB, ConfigError, from_dict
 
 PROPS = settings(max_examples=300, deadline=None)
 

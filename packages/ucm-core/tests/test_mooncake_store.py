@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 from ucm.core.block_format import HEADER_BYTES, encode_header
-from ucm.core.config import ConfigError, MooncakeStoreConfig, parse_store_config
+from ucm.core.config import MooncakeStoreConfig, parse_store_config
+from ucm.core.settings import ConfigError
 from ucm.core.store import Status
 from ucm.lab.pytest_plugin import require_mooncake, require_namespaces
 from ucm.lab.testing.core import blob, key, mooncake_config
@@ -26,7 +27,7 @@ def _mooncake_here():
 
 @pytest.fixture
 def store(mooncake_master):
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
 
     s = MooncakeStore(mooncake_config(mooncake_master))
     yield s
@@ -98,7 +99,7 @@ def test_a_block_written_by_another_client_is_read(store, raw):
 
 
 def test_a_full_pool_fails_writes_and_keeps_serving(mooncake_master):
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
 
     # This test's own master: the session master's pool holds other tests' segments.
     from ucm.lab.mooncake import LocalMaster
@@ -140,7 +141,7 @@ import os, sys
 import numpy as np
 import xxhash
 from ucm.core.config import MooncakeStoreConfig
-from ucm.core.store.mooncake import MooncakeStore
+from ucm.core.store.mooncake.store import MooncakeStore
 
 def key(i):
     return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
@@ -158,7 +159,7 @@ store.close()
 
 @pytest.mark.parametrize("how", ["close", "kill"])
 def test_blocks_of_a_host_that_left_are_misses(mooncake_master, how):
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
 
     prefix = f"left-{how}-{os.getpid()}/"
     other = subprocess.Popen(
@@ -205,7 +206,7 @@ def _timed(call):
 
 
 def test_start_up_without_a_master_serves_then_connects(tmp_path):
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster
 
     master = LocalMaster(log_path=str(tmp_path / "master.log"))  # not started yet
@@ -233,7 +234,7 @@ def test_start_up_without_a_master_serves_then_connects(tmp_path):
 
 
 def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
@@ -284,7 +285,7 @@ def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
 
 
 def test_a_dump_in_flight_when_the_master_dies_settles(tmp_path):
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
@@ -355,7 +356,7 @@ def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
     """The master's host drops off the network (its link set down) instead of dying: calls
     hang rather than fail at once.  The first lookup gives up after timeout_s; later calls
     answer at once; when the link is back the store is used again."""
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster
     from ucm.lab.netlab import NetLab
 
@@ -398,7 +399,7 @@ def test_a_slow_link_to_the_pool_is_slower_and_still_correct(tmp_path):
     """The pool's host (master and segment server) sends through a token bucket of 20 Mbit/s:
     loads take longer and return the stored bytes.  (This kernel has no netem, so latency
     and loss cannot be injected; where it has, NetLab.netem does it.)"""
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster, SegmentServer
     from ucm.lab.netlab import NetLab
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from ucm.core.block_format import HEADER_BYTES
-from ucm.core.config import GIB, PosixStoreConfig
+from ucm.core.config import PosixStoreConfig
 from ucm.core.keys import Namespace, block_keys
+from ucm.core.settings import GIB
 from ucm.core.store import PosixStore, Status
 from ucm.core.store.posix import host_tag, scan_store
 from ucm.lab.testing.procs import key_of, payload_of, size_of, temp_files

@@ -13,9 +13,10 @@ import sys
 
 import numpy as np
 import pytest
-from ucm.core.config import ConfigError, DramStoreConfig, parse_store_config
+from ucm.core.config import DramStoreConfig, parse_store_config
+from ucm.core.settings import ConfigError
 from ucm.core.store import SharedMemoryStore, Status, create_store
-from ucm.core.store.shm import mount_of
+from ucm.core.store.dram.shared import mount_of
 from ucm.lab.testing.core import blob, key
 
 WRITER = """

@@ -3,7 +3,7 @@ import logging
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from ucm.core.config import ConfigError
+from ucm.core.settings import ConfigError
 from ucm.core.slicing import (
     SliceWritePolicy,
     parse_positive,

@@ -7,12 +7,8 @@ import attrs
 import numpy as np
 import pytest
 from ucm.core.block_format import HEADER_BYTES
-from ucm.core.config import (
-    ConfigError,
-    DramStoreConfig,
-    PosixStoreConfig,
-    TieredStoreConfig,
-)
+from ucm.core.config import DramStoreConfig, PosixStoreConfig, TieredStoreConfig
+from ucm.core.settings import ConfigError
 from ucm.core.store import Status, create_store
 from ucm.lab.testing.core import blob, key, mooncake_config
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from ucm.core.config import ConfigError, DramStoreConfig, PosixStoreConfig, default_store_path
+from ucm.core.config import DramStoreConfig, PosixStoreConfig, default_store_path
+from ucm.core.settings import ConfigError
 from ucm.fastdeploy import FastDeployConfig, load_config
 
 

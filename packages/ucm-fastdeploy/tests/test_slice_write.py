@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from ucm.core.config import ConfigError
+from ucm.core.settings import ConfigError
 from ucm.lab.testing.fastdeploy import (
     BLOCK,
     WrappedStore,

@@ -4,7 +4,7 @@ system under test."""
 from __future__ import annotations
 
 import pytest
-from ucm.core.config import ConfigError, from_dict
+from ucm.core.settings import ConfigError, from_dict
 from ucm.lab.vllm.multiround import FIRST_TOKEN, LAST_TOKEN, MultiRoundWorkload
 
 SETTINGS = dict(users=3, rounds=4, system_tokens=50, user_tokens=20, question_tokens=7)

@@ -2,7 +2,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ucm.core.config import ConfigError, DramStoreConfig, PosixStoreConfig  # noqa: E402
+from ucm.core.config import DramStoreConfig, PosixStoreConfig  # noqa: E402
+from ucm.core.settings import ConfigError
 from ucm.vllm.config import connector_config  # noqa: E402
 
 

@@ -130,7 +130,8 @@ def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_
 def test_a_store_that_cannot_hold_one_block_is_refused_at_registration():
     # A 256-token store block of this cache is 8 engine blocks x 2 x 32 x 128 x 2 bytes
     # = 128 KiB: a 64 KiB DRAM store could never hit, and the engine must not start on it.
-    from ucm.core.config import ConfigError, DramStoreConfig
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.settings import ConfigError
     from ucm.core.store import DramStore
 
     with pytest.raises(ConfigError) as caught:

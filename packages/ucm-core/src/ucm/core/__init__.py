@@ -5,8 +5,8 @@ translate an engine's types into the names defined here.
 """
 
 from ucm.core.block_format import BlockFormatError
-from ucm.core.config import ConfigError
 from ucm.core.keys import Namespace, block_keys
+from ucm.core.settings import ConfigError
 from ucm.core.store import KeyResult, Status, Store, Task, create_store
 
 __all__ = [

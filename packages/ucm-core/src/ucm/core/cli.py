@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from tqdm import tqdm
-from ucm.core.config import GIB, ConfigError
 from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
+from ucm.core.settings import GIB, ConfigError
 from ucm.core.store.posix import BLOCKS_DIR, evict_lru, read_marker, scan_store, verify_block_file
 
 

@@ -27,40 +27,13 @@ Rules (docs/hybrid.md has the pictures):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import attrs
-from ucm.core.config import ConfigError
+from ucm.core.settings import ConfigError, check_int, int_at_least, non_negative_number, one_of
 
 FULL = "full"
 WINDOW = "window"
-
-
-def check_int(name: str, value: object, low: int) -> int:
-    """``value`` if it is an integer >= ``low``, else a ``ConfigError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def _int_at_least(low: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
-    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        check_int(attribute.name, value, low)
-
-    return check
-
-
-def _kind(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in (FULL, WINDOW) or not isinstance(value, str):
-        raise ConfigError(attribute.name, f"must be 'full' or 'window', got {value!r}")
-
-
-def _non_negative_number(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
-        raise ConfigError(attribute.name, f"must be a finite number >= 0, got {value!r}")
 
 
 @attrs.frozen
@@ -73,12 +46,12 @@ class KVGroup:
     ``num_layers`` are informational (sizing, logs).
     """
 
-    kind: str = attrs.field(validator=_kind)
-    block_tokens: int = attrs.field(validator=_int_at_least(1))
-    window_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
-    compress_ratio: int = attrs.field(default=1, validator=_int_at_least(1))
-    bytes_per_token_layer: float = attrs.field(default=0, validator=_non_negative_number)
-    num_layers: int = attrs.field(default=0, validator=_int_at_least(0))
+    kind: str = attrs.field(validator=one_of(FULL, WINDOW))
+    block_tokens: int = attrs.field(validator=int_at_least(1))
+    window_tokens: int = attrs.field(default=0, validator=int_at_least(0))
+    compress_ratio: int = attrs.field(default=1, validator=int_at_least(1))
+    bytes_per_token_layer: float = attrs.field(default=0, validator=non_negative_number)
+    num_layers: int = attrs.field(default=0, validator=int_at_least(0))
 
     def __attrs_post_init__(self) -> None:
         if self.kind == WINDOW and self.window_tokens <= 0:
@@ -121,7 +94,7 @@ class HybridLayout:
     """
 
     groups: tuple[KVGroup, ...] = attrs.field(converter=tuple)
-    boundary_tokens: int = attrs.field(validator=_int_at_least(1))
+    boundary_tokens: int = attrs.field(validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:

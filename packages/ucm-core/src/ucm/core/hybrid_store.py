@@ -10,26 +10,14 @@ capacity goes to the window store.  :class:`HybridSettings` holds both settings.
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Sequence
-from fractions import Fraction
-from typing import Any
 
 import attrs
-from ucm.core.config import (
-    ConfigError,
-    DramStoreConfig,
-    HybridSettings,
-    MooncakeStoreConfig,
-    PosixStoreConfig,
-    StoreConfig,
-    TieredStoreConfig,
-)
-from ucm.core.hybrid import BlockRef, HybridLayout, check_int, tail_range
-
-FA_SUBDIR = "fa"
-WA_SUBDIR = "wa"
+from ucm.core.config import HybridSettings
+from ucm.core.hybrid import BlockRef, HybridLayout, tail_range
+from ucm.core.settings import ConfigError, check_int
+from ucm.core.store.kinds import STORE_CONFIGS, StoreConfig
+from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR
 
 
 @attrs.frozen
@@ -115,82 +103,15 @@ def plan_dump(
 # --- the two stores ----------------------------------------------------------------------
 
 
-def _split_gb(capacity_gb: float, wa_fraction: float) -> tuple[float, float]:
-    """(FA, WA) capacities, both > 0, whose exact sum is at most ``capacity_gb``."""
-    wa = capacity_gb * wa_fraction
-    fa = capacity_gb - wa
-    while fa > 0 and Fraction(fa) + Fraction(wa) > Fraction(capacity_gb):  # rounded up
-        fa = math.nextafter(fa, 0.0)
-    if fa <= 0 or wa <= 0:
-        raise ConfigError(
-            "wa_capacity_fraction",
-            f"{wa_fraction!r} of {capacity_gb!r} GiB leaves one of the two stores nothing",
-        )
-    return fa, wa
-
-
-def _split_posix(
-    config: PosixStoreConfig, wa_fraction: float
-) -> tuple[PosixStoreConfig, PosixStoreConfig]:
-    fa_gb: float | None = None
-    wa_gb: float | None = None
-    if config.capacity_gb is not None:
-        fa_gb, wa_gb = _split_gb(config.capacity_gb, wa_fraction)
-    return (
-        attrs.evolve(config, path=os.path.join(config.path, FA_SUBDIR), capacity_gb=fa_gb),
-        attrs.evolve(config, path=os.path.join(config.path, WA_SUBDIR), capacity_gb=wa_gb),
-    )
-
-
-def _split_dram(
-    config: DramStoreConfig, wa_fraction: float
-) -> tuple[DramStoreConfig, DramStoreConfig]:
-    fa_gb, wa_gb = _split_gb(config.capacity_gb, wa_fraction)
-    if config.scope == "process":
-        return attrs.evolve(config, capacity_gb=fa_gb), attrs.evolve(config, capacity_gb=wa_gb)
-    return (
-        attrs.evolve(config, path=os.path.join(config.path, FA_SUBDIR), capacity_gb=fa_gb),
-        attrs.evolve(config, path=os.path.join(config.path, WA_SUBDIR), capacity_gb=wa_gb),
-    )
-
-
-def _split_mooncake(
-    config: MooncakeStoreConfig, wa_fraction: float
-) -> tuple[MooncakeStoreConfig, MooncakeStoreConfig]:
-    # Mooncake evicts over the whole pool, so the split is by key prefix; the segment this
-    # process gives the pool is split like a capacity (0 stays 0: a pure client).
-    fa_gb, wa_gb = (0.0, 0.0)
-    if config.global_segment_gb:
-        fa_gb, wa_gb = _split_gb(config.global_segment_gb, wa_fraction)
-    return (
-        attrs.evolve(
-            config, key_prefix=f"{config.key_prefix}{FA_SUBDIR}/", global_segment_gb=fa_gb
-        ),
-        attrs.evolve(
-            config, key_prefix=f"{config.key_prefix}{WA_SUBDIR}/", global_segment_gb=wa_gb
-        ),
-    )
-
-
-def _split_backing(
-    config: PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig, wa_fraction: float
-) -> tuple[Any, Any]:
-    if isinstance(config, PosixStoreConfig):
-        return _split_posix(config, wa_fraction)
-    if isinstance(config, MooncakeStoreConfig):
-        return _split_mooncake(config, wa_fraction)
-    return _split_dram(config, wa_fraction)
-
-
 def split_store_config(
     config: StoreConfig, wa_fraction: float = 0.5
 ) -> tuple[StoreConfig, StoreConfig]:
-    """The (full-attention, window) store configurations made from one.
-
-    posix: subdirectories ``fa`` and ``wa`` of its path, the capacity split (no limit stays no
-    limit); dram: the capacity split (and the path, in shared memory); mooncake: key prefixes
-    ``fa/`` and ``wa/``, the segment split; tiered: both tiers split.  The two capacities
-    never add up to more than the original.  ``wa_fraction`` is the window store's share, in (0, 1).
+    """The (full-attention, window) store configurations made from one, by its kind's
+    ``split``: posix: subdirectories ``fa`` and ``wa`` of its path, the capacity split (no
+    limit stays no limit); dram: the capacity split (and the path, in shared memory);
+    mooncake: key prefixes ``fa/`` and ``wa/``, the segment split; tiered: both tiers
+    split.  The two capacities never add up to more than the original.  ``wa_fraction`` is
+    the window store's share, in (0, 1).
     """
     if (
         isinstance(wa_fraction, bool)
@@ -200,21 +121,9 @@ def split_store_config(
         raise ConfigError(
             "wa_capacity_fraction", f"must be a number between 0 and 1, got {wa_fraction!r}"
         )
-    if isinstance(config, PosixStoreConfig):
-        return _split_posix(config, wa_fraction)
-    if isinstance(config, (DramStoreConfig, MooncakeStoreConfig)):
-        return _split_backing(config, wa_fraction)
-    if isinstance(config, TieredStoreConfig):
-        fa_dram, wa_dram = _split_dram(config.dram, wa_fraction)
-        fa_local, wa_local = (None, None)
-        if config.local is not None:
-            fa_local, wa_local = _split_posix(config.local, wa_fraction)
-        fa_back, wa_back = _split_backing(config.backing, wa_fraction)
-        return (
-            attrs.evolve(config, dram=fa_dram, local=fa_local, backing=fa_back),
-            attrs.evolve(config, dram=wa_dram, local=wa_local, backing=wa_back),
-        )
-    raise TypeError(f"not a store configuration: {config!r}")
+    if not isinstance(config, STORE_CONFIGS):
+        raise TypeError(f"not a store configuration: {config!r}")
+    return config.split(wa_fraction)
 
 
 __all__ = [

@@ -17,14 +17,10 @@ from collections.abc import Sequence
 
 import attrs
 import xxhash
+from ucm.core.settings import int_at_least
 
 KEY_BYTES = 16
 _NAMESPACE_TAG = b"ucm-namespace-v1"
-
-
-def _non_negative(_inst: object, attribute: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
 
 
 @attrs.frozen
@@ -39,8 +35,8 @@ class Namespace:
 
     model: str = attrs.field(validator=attrs.validators.instance_of(str))
     layout: str = attrs.field(validator=attrs.validators.instance_of(str))
-    rank: int = attrs.field(default=0, validator=_non_negative)
-    world_size: int = attrs.field(default=1, validator=_non_negative)
+    rank: int = attrs.field(default=0, validator=int_at_least(0))
+    world_size: int = attrs.field(default=1, validator=int_at_least(0))
     group: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
     cache_salt: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 

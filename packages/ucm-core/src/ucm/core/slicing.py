@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import attrs
-from ucm.core.config import (
+from ucm.core.settings import (
     ConfigError,
     int_in_range,
     optional_positive_number,

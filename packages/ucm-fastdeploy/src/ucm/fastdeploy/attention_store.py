@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from ucm.core.config import ConfigError
+from ucm.core.settings import ConfigError
 from ucm.core.slicing import write_sliced
 from ucm.core.store import Store, create_store
 from ucm.fastdeploy.config import FastDeployConfig, load_config

@@ -20,15 +20,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from ucm.core.config import (
+from ucm.core.config import StoreConfig, store_setting
+from ucm.core.settings import (
     ConfigError,
-    StoreConfig,
     boolean,
     from_dict,
     int_in_range,
     positive_number,
     setting,
-    store_setting,
     with_config_file,
 )
 from ucm.core.slicing import SliceWritePolicy, policy_from_env

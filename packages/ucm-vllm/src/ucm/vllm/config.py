@@ -7,21 +7,23 @@ from typing import Any
 
 import attrs
 from ucm.core.config import (
-    ConfigError,
     DramStoreConfig,
     StoreConfig,
+    store_setting,
+    wa_capacity_fraction_setting,
+    wa_dump_block_wise_setting,
+)
+from ucm.core.model_identity import DIGEST_MODES
+from ucm.core.settings import (
+    ConfigError,
     boolean,
     from_dict,
     int_in_range,
     one_of,
     positive_number,
     setting,
-    store_setting,
-    wa_capacity_fraction_setting,
-    wa_dump_block_wise_setting,
     with_config_file,
 )
-from ucm.core.model_identity import DIGEST_MODES
 
 
 def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -28,12 +28,12 @@ from typing import Any
 
 from tqdm import tqdm
 from ucm.core.config import (
-    GIB,
     DramStoreConfig,
     MooncakeStoreConfig,
     PosixStoreConfig,
     default_store_path,
 )
+from ucm.core.settings import GIB
 from ucm.core.store import DramStore, PosixStore, SharedMemoryStore, Store
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
@@ -139,7 +139,7 @@ class _RawMooncake:
 
     def __init__(self, master: str, segment_bytes: int) -> None:
         from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
-        from ucm.core.store.mooncake import local_address
+        from ucm.core.store.mooncake.link import local_address
 
         self.client = MooncakeDistributedStore()
         host, port = master.rsplit(":", 1)
@@ -151,7 +151,7 @@ class _RawMooncake:
             raise RuntimeError(f"Mooncake's client could not set up on {master}: {code}")
 
     def run(self, srcs: list, dsts: list, n: int) -> tuple[float, float]:
-        from ucm.core.store.mooncake import address
+        from ucm.core.store.mooncake.store import address
 
         keys = [f"ucm-bench-raw/{os.urandom(16).hex()}" for _ in range(n)]
         src_ptrs = [address(memoryview(b)) for b in srcs]
@@ -185,7 +185,7 @@ def _mooncake_cases(
     """Mooncake's own client and the mooncake store, each on a cluster of its own (a master
     and a segment server holding the pool) unless ``--master`` names one: then both use it
     and give it the memory themselves."""
-    from ucm.core.store.mooncake import MooncakeStore
+    from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster, SegmentServer
 
     segment = int(1.25 * n * (size + 4096))

@@ -22,7 +22,7 @@ import random
 from collections.abc import Iterator
 
 import attrs
-from ucm.core.config import int_in_range, positive_number, setting
+from ucm.core.settings import int_in_range, positive_number, setting
 
 #: token ids of the words a workload draws from (ids below 10 are left to special tokens)
 FIRST_TOKEN, LAST_TOKEN = 10, 30_000

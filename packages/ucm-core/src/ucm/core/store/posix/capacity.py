@@ -13,7 +13,7 @@ are skipped.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 
@@ -79,9 +79,10 @@ class Capacity:
         self.used_blocks = used_blocks
 
 
-def eviction_order(
-    blocks: Iterable[StoredBlock], skip: Collection[str] = frozenset()
-) -> Sequence[StoredBlock]:
+B = TypeVar("B", bound=StoredBlock)
+
+
+def eviction_order(blocks: Iterable[B], skip: Collection[str] = frozenset()) -> Sequence[B]:
     """The blocks an eviction pass may delete, least recently used first (``skip``: names
     of blocks being read)."""
     return sorted((b for b in blocks if b.name not in skip), key=lambda b: b.mtime_ns)

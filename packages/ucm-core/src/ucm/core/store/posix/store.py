@@ -34,10 +34,11 @@ from ucm.core.block_format import (
     encode_header,
     payload_checksum,
 )
-from ucm.core.config import ConfigError, PosixStoreConfig
+from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
 from ucm.core.store.posix.capacity import Capacity
+from ucm.core.store.posix.config import PosixStoreConfig
 from ucm.core.store.posix.fileio import (
     O_CLOEXEC,
     O_DIRECT,

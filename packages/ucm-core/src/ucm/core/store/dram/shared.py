@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 
-from ucm.core.config import GIB, ConfigError, DramStoreConfig, PosixStoreConfig
-from ucm.core.store.posix import PosixStore
+from ucm.core.settings import GIB, ConfigError
+from ucm.core.store.dram.config import DramStoreConfig
+from ucm.core.store.posix.config import PosixStoreConfig
+from ucm.core.store.posix.store import PosixStore
 
 #: filesystems whose files live in RAM
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})

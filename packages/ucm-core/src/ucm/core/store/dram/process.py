@@ -17,8 +17,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ucm.core.config import ConfigError, DramStoreConfig
+from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.dram.config import DramStoreConfig
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
 from ucm.core.store.task import MISS, OK, KeyResult, Status, Task
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from ucm.core.config import ConfigError
+from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
-from ucm.core.store.dram import DramStore
-from ucm.core.store.shm import SharedMemoryStore
+from ucm.core.store.dram.process import DramStore
+from ucm.core.store.dram.shared import SharedMemoryStore
 from ucm.core.store.task import CANCELLED, Task
 
 

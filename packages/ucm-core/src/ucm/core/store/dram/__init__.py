@@ -1,0 +1,13 @@
+"""The dram store: blocks in host memory.
+
+- :mod:`.config`: its settings (both scopes);
+- :mod:`.shared`: scope ``host``, shared memory: a posix store on a memory filesystem,
+  shared by every process on the host (:class:`SharedMemoryStore`);
+- :mod:`.process`: scope ``process``, this process's own memory (:class:`DramStore`).
+"""
+
+from ucm.core.store.dram.config import SHARED_MEMORY_PATH, DramStoreConfig
+from ucm.core.store.dram.process import DramStore
+from ucm.core.store.dram.shared import SharedMemoryStore
+
+__all__ = ["SHARED_MEMORY_PATH", "DramStore", "DramStoreConfig", "SharedMemoryStore"]

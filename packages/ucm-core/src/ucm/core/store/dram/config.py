@@ -1,0 +1,91 @@
+"""The dram store's settings (both scopes: host shared memory and one process's own)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import attrs
+from ucm.core.settings import (
+    GIB,
+    ConfigError,
+    boolean,
+    non_empty_str,
+    one_of,
+    positive_number,
+    setting,
+)
+from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR, split_gb
+
+if TYPE_CHECKING:
+    from ucm.core.store.base import Store
+
+#: where a host-scope dram store lives unless told: the shared memory every Linux host mounts
+SHARED_MEMORY_PATH = "/dev/shm/ucm"
+
+
+@attrs.frozen
+class DramStoreConfig:
+    """Host memory, least recently used blocks evicted beyond the capacity.  By default
+    shared memory (a folder on a memory filesystem, ``/dev/shm``): every process on the host
+    that opens the same path shares the blocks (vLLM's scheduler and its workers, engines
+    side by side, the next engine after a restart), with the posix store's promises."""
+
+    kind: str = setting("Store kind.", default="dram", validator=one_of("dram"))
+    capacity_gb: float = setting(
+        "Size limit in GiB (2^30 bytes).", default=4.0, validator=positive_number
+    )
+    scope: str = setting(
+        "Who shares the blocks. ``host``: every process on the host that opens ``path`` "
+        "(shared memory, kept across engine restarts until the host reboots); ``process``: "
+        "this process alone (private memory, gone with it; no engine whose lookups and "
+        "loads run in different processes, such as vLLM, can hit in it).",
+        default="host",
+        validator=one_of("host", "process"),
+    )
+    path: str = setting(
+        "The folder of a host-scope store, on a memory filesystem (tmpfs); created if "
+        "missing.  Give each set of engines that must not share blocks its own.",
+        default=SHARED_MEMORY_PATH,
+        validator=non_empty_str,
+    )
+    preallocate: bool = setting(
+        "Map and fault in the whole capacity at start-up, so that no dump pays for fresh "
+        "pages (costs start-up time and commits the memory at once). Process scope only.",
+        default=False,
+        validator=boolean,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.preallocate and self.scope == "host":
+            raise ConfigError(
+                "preallocate", "applies to scope 'process' only (shared memory is the tmpfs's)"
+            )
+        if self.path != SHARED_MEMORY_PATH and self.scope == "process":
+            raise ConfigError("path", "applies to scope 'host' only (process memory has none)")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.capacity_gb * GIB)
+
+    def open(self) -> Store:
+        if self.scope == "process":
+            from ucm.core.store.dram.process import DramStore
+
+            return DramStore(self)
+        from ucm.core.store.dram.shared import SharedMemoryStore
+
+        return SharedMemoryStore(self)
+
+    def split(self, wa_fraction: float) -> tuple[DramStoreConfig, DramStoreConfig]:
+        """Hybrid models: the capacity split (and, in shared memory, the path)."""
+        fa_gb, wa_gb = split_gb(self.capacity_gb, wa_fraction)
+        if self.scope == "process":
+            return attrs.evolve(self, capacity_gb=fa_gb), attrs.evolve(self, capacity_gb=wa_gb)
+        return (
+            attrs.evolve(self, path=os.path.join(self.path, FA_SUBDIR), capacity_gb=fa_gb),
+            attrs.evolve(self, path=os.path.join(self.path, WA_SUBDIR), capacity_gb=wa_gb),
+        )
+
+    def for_lookups_only(self) -> DramStoreConfig:
+        return self

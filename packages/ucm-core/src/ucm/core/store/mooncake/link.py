@@ -1,0 +1,194 @@
+"""The Mooncake client of one store, and whether its master answers.
+
+A Mooncake client whose master is gone blocks every call for seconds (about 4 s each with
+0.3.13) and a client set up while it is gone retries for 90 s.  An engine must not pay that
+on every request, so :class:`MasterLink` keeps the client and whether its master answers:
+after the first failure, lookups answer miss and dumps are dropped (counted) at once, with
+no call made, until a background probe hears from the master again.  A master restarted
+with empty metadata is used again as soon as it answers (the client re-registers itself);
+the blocks it held are gone and read as misses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ucm.core.store.mooncake.config import MooncakeStoreConfig
+
+log = logging.getLogger(__name__)
+
+
+class MasterLink:
+    """The Mooncake client, and whether its master answers.
+
+    ``client`` is the set-up client while the master answers, else ``None``: callers then
+    skip the call.  :meth:`failed` takes the master as down; a background thread sets the
+    client up (start-up) or probes it (after a failure) every ``probe_interval_s`` until the
+    master answers, and logs each change once."""
+
+    def __init__(self, config: MooncakeStoreConfig, make_client: Callable[[], Any]) -> None:
+        self.config = config
+        self._make_client = make_client
+        self._client: Any = None  # set up (not necessarily up)
+        self._up = False
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        self._closed = False
+        self._ever_up = False
+        self.failures = 0  # times the master was taken as down
+        self._thread = threading.Thread(target=self._run, name="ucm-mooncake-link", daemon=True)
+        self._thread.start()
+
+    @property
+    def client(self) -> Any:
+        return self._client if self._up else None
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def wait_up(self, timeout: float) -> bool:
+        """Wait until the master answers; whether it does."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._up and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self._up
+
+    def failed(self, what: str) -> None:
+        """A call found the master unreachable: answer without it until it is back."""
+        with self._lock:
+            if not self._up:
+                return
+            self._up = False
+            self.failures += 1
+            self._changed.notify_all()
+        log.warning(
+            "ucm mooncake store: master %s unreachable (%s); lookups miss and dumps are "
+            "dropped until it answers again",
+            self.config.master,
+            what,
+        )
+        self._wake.set()
+
+    def _set_up(self) -> None:
+        with self._lock:
+            self._up = True
+            first = not self._ever_up
+            self._ever_up = True
+            self._changed.notify_all()
+        if first:
+            log.info("ucm mooncake store: connected to master %s", self.config.master)
+        else:
+            log.warning("ucm mooncake store: master %s answers again", self.config.master)
+
+    def _run(self) -> None:
+        reported = False
+        while not self._closed:
+            if self._client is None:
+                client = self._connect()
+                if client is None:
+                    if not reported:
+                        reported = True
+                        log.warning(
+                            "ucm mooncake store: master %s does not answer; serving without "
+                            "this store until it does",
+                            self.config.master,
+                        )
+                    self._sleep()
+                    continue
+                self._client = client
+                self._set_up()
+            elif self._up:
+                self._wake.wait()
+                self._wake.clear()
+            elif self._answers(self._client):
+                self._set_up()
+            else:
+                self._sleep()
+
+    def _sleep(self) -> None:
+        self._wake.wait(self.config.probe_interval_s)
+        self._wake.clear()
+
+    def _connect(self) -> Any:
+        config = self.config
+        host, port = config.master_host_port
+        # Mooncake's setup() holds the GIL while it retries a master that does not answer
+        # (90 s with 0.3.13), freezing every thread of the engine: knock first.
+        if not _accepts(host, port, min(1.0, config.timeout_s)):
+            return None
+        client = self._make_client()
+        code = client.setup(
+            config.local_hostname or local_address(host, port),
+            config.metadata_server,
+            config.global_segment_bytes,
+            config.local_buffer_bytes,
+            config.protocol,
+            config.device,
+            config.master,
+        )
+        if code != 0:
+            _abandon(client)
+            return None
+        return client
+
+    @staticmethod
+    def _answers(client: Any) -> bool:
+        # health_check() alone reports the state of the client's last heartbeat, which
+        # still says healthy just after the master died: ask the master something as well.
+        if client.health_check() != 0:
+            return False
+        found = client.batch_is_exist(["ucm-probe"])
+        return bool(found) and found[0] >= 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            up = self._up
+            self._up = False
+            self._changed.notify_all()
+        self._wake.set()
+        if self._client is None:
+            return
+        if up:
+            self._client.close()  # unmounts this process's segment: its blocks leave the pool
+        else:
+            _abandon(self._client)
+
+
+def _abandon(client: Any) -> None:
+    """Never close or destroy ``client``: with its master gone, close() retries unmounting
+    for about 13 s holding the GIL, and its destructor, run at interpreter exit, aborts the
+    process (a joinable std::thread destroyed).  There is nothing to unmount from a dead
+    master; the reference taken here is never given back."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
+
+
+def _accepts(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def local_address(host: str, port: int) -> str:
+    """This host's address on the route to ``host``: what other clients reach it at."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # UDP: picks the route, sends nothing
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostname()

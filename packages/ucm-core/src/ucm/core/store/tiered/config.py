@@ -1,0 +1,105 @@
+"""The tiered store's settings: a local tier (dram, or posix on a local disk) over another
+store."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import attrs
+from ucm.core.settings import ConfigError, from_dict, instance_of, one_of, optional, setting
+from ucm.core.store.dram.config import DramStoreConfig
+from ucm.core.store.mooncake.config import MooncakeStoreConfig
+from ucm.core.store.posix.config import PosixStoreConfig
+
+if TYPE_CHECKING:
+    from ucm.core.store.base import Store
+
+
+def _parse_dram(value: object, where: str) -> DramStoreConfig:
+    data = dict(value) if isinstance(value, Mapping) else value
+    if isinstance(data, dict):
+        data.setdefault("kind", "dram")
+    return from_dict(DramStoreConfig, data, where)
+
+
+def _parse_local(value: object, where: str) -> PosixStoreConfig | None:
+    if value is None:
+        return None
+    data = dict(value) if isinstance(value, Mapping) else value
+    if isinstance(data, dict):
+        data.setdefault("kind", "posix")
+    return from_dict(PosixStoreConfig, data, where)
+
+
+def _parse_backing(
+    value: object, where: str
+) -> PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig:
+    from ucm.core.store.kinds import parse_store_config  # the registry lists this kind too
+
+    config = parse_store_config(value, where)
+    if isinstance(config, TieredStoreConfig):
+        raise ConfigError(f"{where}.kind", "a tiered store cannot back another tiered store")
+    return config
+
+
+@attrs.frozen
+class TieredStoreConfig:
+    """A local tier over another store: writes go to both, reads are served by the local tier
+    where it holds the block, else by the one below and then promoted into the local tier."""
+
+    kind: str = setting("Store kind.", default="tiered", validator=one_of("tiered"))
+    dram: DramStoreConfig = setting(
+        "The local tier when it is DRAM (the settings of a dram store).",
+        factory=DramStoreConfig,
+        validator=instance_of(DramStoreConfig),
+        metadata={"parse": _parse_dram},
+    )
+    local: PosixStoreConfig | None = setting(
+        "A posix store on a local disk as the local tier instead of DRAM (e.g. NVMe in front "
+        "of a mooncake store). null: the dram tier.",
+        default=None,
+        validator=optional(instance_of(PosixStoreConfig)),
+        metadata={"parse": _parse_local},
+    )
+    backing: PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig = setting(
+        "The store under the local tier (the settings of a posix, dram or mooncake store, "
+        "with its kind; posix when the kind is left out).",
+        factory=PosixStoreConfig,
+        validator=instance_of((PosixStoreConfig, DramStoreConfig, MooncakeStoreConfig)),
+        metadata={"parse": _parse_backing},
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.local is not None and self.dram != DramStoreConfig():
+            raise ConfigError("local", "a tiered store has one local tier: give local or dram")
+        if (
+            isinstance(self.backing, PosixStoreConfig)
+            and self.local is not None
+            and os.path.realpath(self.backing.path) == os.path.realpath(self.local.path)
+        ):
+            raise ConfigError("local.path", "the local tier and its backing store share a path")
+
+    @property
+    def front(self) -> DramStoreConfig | PosixStoreConfig:
+        """The local tier's settings."""
+        return self.local if self.local is not None else self.dram
+
+    def open(self) -> Store:
+        from ucm.core.store.tiered.store import TieredStore
+
+        return TieredStore(self.front.open(), self.backing.open())
+
+    def split(self, wa_fraction: float) -> tuple[TieredStoreConfig, TieredStoreConfig]:
+        """Hybrid models: both tiers split."""
+        fa_dram, wa_dram = self.dram.split(wa_fraction)
+        fa_local, wa_local = self.local.split(wa_fraction) if self.local else (None, None)
+        fa_back, wa_back = self.backing.split(wa_fraction)
+        return (
+            attrs.evolve(self, dram=fa_dram, local=fa_local, backing=fa_back),
+            attrs.evolve(self, dram=wa_dram, local=wa_local, backing=wa_back),
+        )
+
+    def for_lookups_only(self) -> TieredStoreConfig:
+        return attrs.evolve(self, backing=self.backing.for_lookups_only())
