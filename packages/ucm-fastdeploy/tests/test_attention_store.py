@@ -193,7 +193,7 @@ def test_in_place_needs_no_staging_and_other_layouts_are_staged(store_path, monk
         def no_staging(*args):
             raise AssertionError("in place: no staging buffer")
 
-        monkeypatch.setattr(fd._mover.pool, "acquire", no_staging)
+        monkeypatch.setattr(fd._mover.pool, "take", no_staging)
         assert fd.write("w", k[:LAYERS], v[:LAYERS], prompt, [1, 2, 3], 0) == 3
         k2, v2 = zeros_like(k), zeros_like(v)
         assert fd.read("r", k2, v2, prompt, [7, 8, 9], 0) == 3

@@ -9,7 +9,8 @@ from ucm.core.store.posix import scan_store
 from ucm.lab.fastdeploy.bench import main
 
 
-def test_quick_bench_prints_json_last(store_path, capsys):
+def test_quick_bench_prints_json_last(tmp_path, capsys):
+    store_path = str(tmp_path / "bench")
     assert main(["--quick", "--json", "--path", store_path]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])

@@ -1,23 +1,26 @@
-"""The worker side of UCMConnector on real torch caches and a real posix store, without an
-engine: what it does with the metadata the scheduler side sends."""
+"""The worker side of UCMConnector on real torch caches and real stores, without an engine
+and without vLLM: what it does with the plan the scheduler side sends.  On a machine with a
+GPU the round trips run on its caches too (``-k cuda``)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import subprocess
+import sys
+
 import pytest
+import torch
+from ucm.core.config import PosixStoreConfig
+from ucm.core.keys import block_keys
+from ucm.core.store import PosixStore, Task
+from ucm.vllm.layout import GroupLayout, ModelLayout
+from ucm.vllm.stores import ConnectorStores
+from ucm.vllm.transfers import Item, StepPlan, Transfer
+from ucm.vllm.worker import WorkerSide
 
-pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-from ucm.core.config import PosixStoreConfig  # noqa: E402
-from ucm.core.keys import block_keys  # noqa: E402
-from ucm.core.store import PosixStore, Task  # noqa: E402
-from ucm.vllm.layout import GroupLayout, ModelLayout  # noqa: E402
-from ucm.vllm.metadata import Item, Transfer, UCMConnectorMetadata  # noqa: E402
-from ucm.vllm.stores import ConnectorStores  # noqa: E402
-from ucm.vllm.worker import WorkerSide  # noqa: E402
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 LAYER = "model.layers.0.self_attn.attn"
 GROUP = GroupLayout(
@@ -71,12 +74,56 @@ def chain_items(n: int) -> list[Item]:
     return [Item(0, k, chain[k], list(range(1 + 8 * k, 9 + 8 * k))) for k in range(n)]
 
 
-def worker_on(store, **kw) -> tuple[WorkerSide, torch.Tensor]:
+def worker_on(store, seed=0, device="cpu", **kw) -> tuple[WorkerSide, torch.Tensor]:
     worker = WorkerSide(LAYOUT, ConnectorStores(store, None), num_groups=1, **kw)
-    torch.manual_seed(0)
-    cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
+    torch.manual_seed(seed)
+    cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16).to(device)
     worker.register_kv_caches({LAYER: cache})
     return worker, cache
+
+
+def test_the_worker_side_runs_without_vllm():
+    # GPU machines may have torch and Triton but no vLLM: the data path must not need it
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"  # any import of vllm now fails
+        "import ucm.vllm.worker, ucm.vllm.transfers, ucm.vllm.stores, ucm.vllm.layout\n"
+        "print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("sync_loads", [False, True], ids=["async", "sync"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_dumped_blocks_load_into_another_workers_cache(tmp_path, device, sync_loads):
+    # register the caches, dump, finish; a fresh worker on other caches loads them back
+    config = PosixStoreConfig(path=str(tmp_path / "store"))
+    items = chain_items(3)
+    writer, stored = worker_on(PosixStore(config), seed=0, device=device)
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
+    deadline = time.monotonic() + 30
+    sending: set[str] = set()
+    while "cold" not in sending and time.monotonic() < deadline:
+        sending |= writer.get_transfer_results(set())[0]
+        time.sleep(0.01)
+    assert sending == {"cold"} and writer.tracker.counts.ok == 3
+    writer.shutdown()
+
+    reader, cache = worker_on(PosixStore(config), seed=1, device=device, sync_loads=sync_loads)
+    before = cache.clone()
+    targets = [Item(0, it.key, it.chain_key, [b + 12 for b in it.block_ids]) for it in items]
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", targets)]))
+    recving: set[str] = set()
+    while not sync_loads and "warm" not in recving and time.monotonic() < deadline:
+        _, got, failed = reader.get_transfer_results(set())
+        assert not failed
+        recving |= got
+        time.sleep(0.01)
+    assert reader.take_load_errors() == set()
+    assert torch.equal(cache[13:37], stored[1:25])  # the three stored blocks, 8 engine each
+    assert torch.equal(cache[:13], before[:13]) and torch.equal(cache[37:], before[37:])
+    assert reader.stats.data["loaded_blocks"] == 3
+    reader.shutdown()
 
 
 def test_preemption_does_not_wait_for_dumps(tmp_path):
@@ -87,8 +134,8 @@ def test_preemption_does_not_wait_for_dumps(tmp_path):
     inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
     worker, _ = worker_on(GatedStore(inner, gate))
     items = chain_items(2)
-    worker.wait_for_save(UCMConnectorMetadata(dumps=[Transfer("a", items)]))
-    worker.handle_preemptions(UCMConnectorMetadata(preempted=["a"]))
+    worker.wait_for_save(StepPlan(dumps=[Transfer("a", items)]))
+    worker.handle_preemptions(StepPlan(preempted=["a"]))
     assert not gate.is_set()  # returned with the store still stalled
     gate.set()
     deadline = time.monotonic() + 30
@@ -107,12 +154,12 @@ def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_
     inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
     items = chain_items(2)
     writer, cache = worker_on(inner)
-    writer.wait_for_save(UCMConnectorMetadata(dumps=[Transfer("cold", items)]))
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
     writer.shutdown()  # waits the dumps
     gate = threading.Event()
     worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
     before = cache.clone()
-    worker.start_load_kv(UCMConnectorMetadata(loads=[Transfer("a", items)]))
+    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
     _, recving, failed = worker.get_transfer_results(set())
     assert recving == set()  # still loading
     _, recving, failed = worker.get_transfer_results({"a"})  # aborted by the client
@@ -170,7 +217,7 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
     try:
         writer, stored = worker_of(SharedMemoryStore(config), 0)
         written = [Item(0, k, chain[k], [1 + k]) for k in range(4)]
-        writer.wait_for_save(UCMConnectorMetadata(dumps=[Transfer("cold", written)]))
+        writer.wait_for_save(StepPlan(dumps=[Transfer("cold", written)]))
         writer.shutdown()
         third = writer._keys(written[2:3])[0].hex()
         block = Path(path, "blocks", third[:2], third)
@@ -184,7 +231,7 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         free = reader.rows.free_bytes
         reader._scatter = None  # nothing may go through host rows
         loads = [Item(0, k, chain[k], [11 + k]) for k in range(4)]
-        reader.start_load_kv(UCMConnectorMetadata(loads=[Transfer("warm", loads)]))
+        reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))
         assert torch.equal(cache[11:13], stored[1:3])  # the two blocks before the bad one
         assert reader.take_load_errors() == {13, 14}
         assert torch.equal(cache[15:], before[15:]) and torch.equal(cache[:11], before[:11])

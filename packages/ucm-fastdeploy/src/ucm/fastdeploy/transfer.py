@@ -20,8 +20,9 @@ Both keep the stored prefix whole:
   that did not.  Before it returns, the store has stopped writing the caches: loads not
   started are cancelled and loads in progress are waited for (the grace).
 
-Staging buffers come from a pool and go back to it only once the store is done with them
-(a timed-out task may still be using its buffer after the call returns).
+Staging rows come from a pool (``ucm.kernels.transfer.RowPool``) and go back to it only once
+the store is done with them (a timed-out task may still be using them after the call
+returns).
 """
 
 from __future__ import annotations
@@ -34,40 +35,18 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-from ucm.core.store import KeyResult, Payload, Status, Store, Task
+from ucm.core.store import Status, Store, Task
 from ucm.fastdeploy.tensors import CacheSet
-from ucm.kernels import BlockSegments, HostStager, alloc_host_buffers, block_segments
+from ucm.kernels import BlockSegments, HostStager, block_segments
+from ucm.kernels.transfer import (
+    RowPool,
+    deferred_payloads,
+    first_problem,
+    row_buffers,
+    verified_prefix,
+)
 
 log = logging.getLogger(__name__)
-
-
-class BufferPool:
-    """Reusable ``[rows, nbytes]`` uint8 staging buffers (pinned when the caches are on a GPU).
-
-    Fresh memory costs a page fault per page on first touch, several times the copy itself
-    (about 1.5 GB/s here against 9-10 GB/s for the copy), so buffers are kept for the next
-    step instead of freed, and one pool serves every store object of the process.
-    """
-
-    def __init__(self, max_free: int = 16) -> None:
-        self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        self._max_free = max_free
-
-    def acquire(self, rows: int, nbytes: int, pin: bool) -> torch.Tensor:
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.shape[1] == nbytes and buf.shape[0] >= rows and buf.is_pinned() == pin:
-                    return self._free.pop(i)[:rows]
-        return alloc_host_buffers(nbytes, rows, pin=pin)
-
-    def release(self, buf: torch.Tensor) -> None:
-        base = buf if buf._base is None else buf._base  # the whole allocation, not the view
-        with self._lock:
-            self._free.append(base)
-            if len(self._free) > self._max_free:
-                self._free.sort(key=lambda b: b.numel())
-                del self._free[0]  # keep the larger ones: they serve any smaller step
 
 
 @attrs.define
@@ -75,7 +54,7 @@ class _Step:
     offset: int  # first block of the step, counted from the call's first block
     count: int
     task: Task
-    buf: torch.Tensor | None  # the staging rows; None in place
+    buf: list[torch.Tensor] | None  # the staging rows; None in place
 
 
 @attrs.define
@@ -87,34 +66,22 @@ class Ahead:
     gather only reads the caches, so a next slice that never comes costs nothing but the
     copy; :meth:`release` returns its buffers."""
 
-    pool: BufferPool
-    ready: dict[tuple[int, ...], torch.Tensor] = attrs.Factory(dict)
+    pool: RowPool
+    ready: dict[tuple[int, ...], list[torch.Tensor]] = attrs.Factory(dict)
 
-    def take(self, block_ids: Sequence[int]) -> torch.Tensor | None:
+    def take(self, block_ids: Sequence[int]) -> list[torch.Tensor] | None:
         return self.ready.pop(tuple(block_ids), None)
 
     def release(self) -> None:
         for buf in self.ready.values():
-            self.pool.release(buf)
+            self.pool.give(buf)
         self.ready.clear()
 
 
-#: the process's staging buffers (a FastDeploy cache transfer process has one AttentionStore,
-#: tests and benchmarks make many: they all reuse these)
-SHARED_POOL = BufferPool()
-
-
-def leading_ok(results: Sequence[KeyResult | None]) -> int:
-    """How many leading keys are done and OK (``None``: not done yet)."""
-    return next((i for i, r in enumerate(results) if r is None or not r.ok), len(results))
-
-
-def _problem(results: Sequence[KeyResult | None]) -> str:
-    i = leading_ok(results)
-    if i == len(results):
-        return ""
-    bad = results[i]
-    return "timed out" if bad is None else (bad.detail or bad.status.value)
+#: the process's staging rows (a FastDeploy cache transfer process has one AttentionStore,
+#: tests and benchmarks make many: they all reuse these), as much kept as 16 steps of the
+#: default 32 MiB
+SHARED_POOL = RowPool(512 << 20)
 
 
 class Mover:
@@ -124,7 +91,7 @@ class Mover:
     def __init__(
         self,
         store: Store,
-        pool: BufferPool,
+        pool: RowPool,
         chunk_bytes: int,
         depth: int,
         zero_copy: bool = True,
@@ -143,10 +110,10 @@ class Mover:
         scales = None if cs.scales is None else list(cs.scales)
         return block_segments(list(cs.caches), block_ids, scales=scales)
 
-    def _gather(self, cs: CacheSet, block_ids: Sequence[int], buf: torch.Tensor) -> None:
+    def _gather(self, cs: CacheSet, block_ids: Sequence[int], buf: list[torch.Tensor]) -> None:
         self._stager(cs.device).dump(cs.caches, block_ids, buf, scales=cs.scales).wait()
 
-    def _scatter(self, cs: CacheSet, block_ids: Sequence[int], buf: torch.Tensor) -> None:
+    def _scatter(self, cs: CacheSet, block_ids: Sequence[int], buf: list[torch.Tensor]) -> None:
         self._stager(cs.device).load(cs.caches, block_ids, buf, scales=cs.scales).wait()
 
     def _stager(self, device: torch.device) -> HostStager:
@@ -195,7 +162,9 @@ class Mover:
                 for off in range(0, n, step):
                     count = min(step, n - off)
                     task = self.store.dump(
-                        keys[off : off + count], _deferred(segments, off, count), tag
+                        keys[off : off + count],
+                        deferred_payloads(segments, range(off, off + count)),
+                        tag,
                     )
                     steps.append(_Step(off, count, task, None))
             else:
@@ -227,21 +196,21 @@ class Mover:
                 if not _wait(oldest.task, deadline):
                     break
             if time.monotonic() >= deadline or any(
-                s.task.done() and leading_ok(s.task.partial()) < s.count for s in steps
+                s.task.done() and verified_prefix(s.task.partial()) < s.count for s in steps
             ):
                 return
             count = min(step, n - off)
             buf = ahead.take(block_ids[off : off + count]) if ahead is not None else None
             try:
                 if buf is None:
-                    buf = self.pool.acquire(count, cs.nbytes, pin)
+                    buf = self.pool.take(cs.nbytes, count, pin=pin)
                     self._gather(cs, block_ids[off : off + count], buf)
-                task = self.store.dump(keys[off : off + count], _rows(buf), tag)
+                task = self.store.dump(keys[off : off + count], row_buffers(buf), tag)
             except Exception:
                 if buf is not None:
-                    self.pool.release(buf)
+                    self.pool.give(buf)
                 raise
-            task.add_done_callback(lambda _t, b=buf: self.pool.release(b))
+            task.add_done_callback(lambda _t, b=buf: self.pool.give(b))
             steps.append(_Step(off, count, task, buf))
 
     def _gather_ahead(
@@ -259,11 +228,11 @@ class Mover:
             if not busy or len(ahead.ready) >= self.depth or time.monotonic() >= deadline:
                 return
             ids = next_ids[off : off + step]
-            buf = self.pool.acquire(len(ids), cs.nbytes, pin)
+            buf = self.pool.take(cs.nbytes, len(ids), pin=pin)
             try:
                 self._gather(cs, ids, buf)
             except Exception:  # noqa: BLE001 - the next slice gathers it again and reports
-                self.pool.release(buf)
+                self.pool.give(buf)
                 return
             ahead.ready[tuple(ids)] = buf
 
@@ -285,7 +254,7 @@ class Mover:
         written = 0
         for s in steps:
             results = s.task.partial()
-            good = leading_ok(results)
+            good = verified_prefix(results)
             written += good
             if good < s.count:
                 bad = results[good]
@@ -293,7 +262,7 @@ class Mover:
                     bad is not None and bad.status is not Status.CANCELLED
                 ):  # a timeout is told above
                     log.warning("ucm fastdeploy %s: block %d not stored: %s", label,
-                                s.offset + good, _problem(results))  # fmt: skip
+                                s.offset + good, first_problem(results))  # fmt: skip
                 break
         self._drop_after(steps, keys, written, label)
         return written
@@ -361,14 +330,14 @@ class Mover:
                 if not finished:
                     late.append(s)  # its leading loaded blocks still count
                 results = s.task.partial()
-                good = leading_ok(results)
+                good = verified_prefix(results)
                 if good and s.buf is not None:
                     self._scatter(cs, block_ids[s.offset : s.offset + good], s.buf[:good])
                 if finished and s.buf is not None:
-                    self.pool.release(s.buf)
+                    self.pool.give(s.buf)
                 filled += good
                 if good < s.count:
-                    problem = f"block {s.offset + good}: {_problem(results)}"
+                    problem = f"block {s.offset + good}: {first_problem(results)}"
                     break
         except Exception as exc:  # noqa: BLE001 - a failing store is a shorter hit
             problem = f"failed: {exc}"
@@ -378,7 +347,7 @@ class Mover:
                 _warn_late(late, label)
             for s in late:  # the store may still fill their staging rows
                 if s.buf is not None:
-                    s.task.add_done_callback(lambda _t, b=s.buf: self.pool.release(b))
+                    s.task.add_done_callback(lambda _t, b=s.buf: self.pool.give(b))
         if filled < n:
             log.warning(
                 "ucm fastdeploy %s: read %d of %d blocks, stopped at %s", label, filled, n,
@@ -400,13 +369,18 @@ class Mover:
         ks = keys[offset : offset + count]
         if segments is not None:
             return _Step(
-                offset, count, self.store.load(ks, _deferred(segments, offset, count), tag), None
+                offset,
+                count,
+                self.store.load(
+                    ks, deferred_payloads(segments, range(offset, offset + count)), tag
+                ),
+                None,
             )
-        buf = self.pool.acquire(count, cs.nbytes, pin)
+        buf = self.pool.take(cs.nbytes, count, pin=pin)
         try:
-            task = self.store.load(ks, _rows(buf), tag)
+            task = self.store.load(ks, row_buffers(buf), tag)
         except Exception:
-            self.pool.release(buf)
+            self.pool.give(buf)
             raise
         return _Step(offset, count, task, buf)
 
@@ -446,15 +420,3 @@ _IN_PLACE_STEPS = 8
 
 def _in_place_step(step: int, n: int) -> int:
     return max(step, -(-n // _IN_PLACE_STEPS))
-
-
-def _deferred(segments: BlockSegments, offset: int, count: int) -> list[Payload]:
-    """Blocks ``[offset, offset + count)`` in place, their views made by the store's threads
-    as each block is moved (a step of thousands of live views sets off full garbage
-    collections; see ``Payload.deferred``)."""
-    return [Payload.deferred(segments.nbytes, segments, i) for i in range(offset, offset + count)]
-
-
-def _rows(buf: torch.Tensor) -> list[object]:
-    """One numpy view per row: the store reads or writes the staging memory in place."""
-    return [row.numpy() for row in buf]

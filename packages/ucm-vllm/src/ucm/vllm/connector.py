@@ -176,7 +176,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> UCMStats | None:
         side = self.scheduler or self.worker
-        return side.stats.take() if side is not None else None
+        counts = side.stats.take() if side is not None else None
+        return UCMStats(data=counts) if counts else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UCMStats | None:

@@ -1,45 +1,18 @@
-"""What the scheduler tells the workers each step (pickled across the process boundary)."""
+"""What the scheduler tells the workers each step (pickled across the process boundary):
+the step's plan (:class:`~ucm.vllm.transfers.StepPlan`) as vLLM's connector metadata."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ucm.vllm.transfers import NULL_BLOCK, Item, StepPlan, Transfer
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-NULL_BLOCK = 0  # vLLM's block pool reserves block 0; it is never read or written here
-
 
 @dataclass
-class Item:
-    """One stored block of one KV-cache group: a full-attention block or a window tail.
-
-    ``key``: its index in the request's token chain, ``chain_key`` that key (each rank
-    derives its own scoped key from it); ``block_ids``: the engine blocks forming its payload,
-    in order, 0 where a block must not be touched (vLLM's null block, or a block vLLM already
-    holds, which may be shared with running requests).
-    """
-
-    group: int
-    key: int
-    chain_key: bytes
-    block_ids: list[int]
+class UCMConnectorMetadata(StepPlan, KVConnectorMetadata):
+    pass
 
 
-@dataclass
-class Transfer:
-    """Blocks of one request to load or to dump, full-attention ones in key order first."""
-
-    req_id: str
-    items: list[Item]
-
-    def keys(self, group: int) -> list[int]:
-        return [item.key for item in self.items if item.group == group]
-
-
-@dataclass
-class UCMConnectorMetadata(KVConnectorMetadata):
-    loads: list[Transfer] = field(default_factory=list)
-    dumps: list[Transfer] = field(default_factory=list)
-    # requests whose blocks vLLM keeps until the workers report their dumps done
-    delayed: list[str] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
+__all__ = ["NULL_BLOCK", "Item", "StepPlan", "Transfer", "UCMConnectorMetadata"]

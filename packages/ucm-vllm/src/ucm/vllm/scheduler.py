@@ -15,10 +15,11 @@ import attrs
 from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundaries
 from ucm.core.hybrid_store import plan_dump
 from ucm.core.keys import block_keys, placed_extras, scoped_keys
+from ucm.vllm.counters import Counters
 from ucm.vllm.layout import ModelLayout, adapter_identity
-from ucm.vllm.metadata import NULL_BLOCK, Item, Transfer, UCMConnectorMetadata
-from ucm.vllm.stats import UCMStats
+from ucm.vllm.metadata import UCMConnectorMetadata
 from ucm.vllm.stores import ConnectorStores
+from ucm.vllm.transfers import NULL_BLOCK, Item, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class SchedulerSide:
         self.pending_loads: list[Transfer] = []
         self.pending_dumps: list[Transfer] = []  # of requests that finished, not yet planned
         self.delayed: list[str] = []
-        self.stats = UCMStats()
+        self.stats = Counters()
 
     # -- keys and lookups --
 

@@ -5,23 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ucm.vllm.counters import FIELDS
+
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-
-#: name -> Prometheus documentation; every field is a counter.
-FIELDS = {
-    "lookup_hit_tokens": "Tokens found in the UCM store beyond what vLLM held",
-    "loaded_blocks": "Store blocks loaded into the KV cache",
-    "loaded_bytes": "Bytes loaded from the store",
-    "load_seconds": "Seconds spent loading (store read and scatter)",
-    "load_errors": "Store blocks that failed to load (missing, corrupt or unreadable)",
-    "dumped_blocks": "Store blocks written (or found already stored)",
-    "dumped_bytes": "Bytes handed to the store for writing",
-    "dump_seconds": "Seconds spent gathering blocks for dumps (the write itself is async)",
-    "dump_errors": "Store blocks whose write failed",
-}
 
 
 @dataclass
@@ -29,10 +18,6 @@ class UCMStats(KVConnectorStats):
     def __post_init__(self) -> None:
         for name in FIELDS:
             self.data.setdefault(name, 0)
-
-    def add(self, **counts: float) -> None:
-        for name, value in counts.items():
-            self.data[name] += value
 
     def reset(self) -> None:
         self.data = dict.fromkeys(FIELDS, 0)
@@ -47,14 +32,6 @@ class UCMStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data[name] for name in FIELDS)
-
-    def take(self) -> UCMStats | None:
-        """A copy of the counters so far, and zeroes them (None when nothing happened)."""
-        if self.is_empty():
-            return None
-        out = UCMStats(data=dict(self.data))
-        self.reset()
-        return out
 
 
 class UCMPromMetrics(KVConnectorPromMetrics):

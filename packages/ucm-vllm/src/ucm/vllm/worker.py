@@ -22,6 +22,9 @@ taken its blocks back.
 
 Dumps gather the blocks into host rows right after the forward pass that computed them, so
 vLLM may reuse the engine blocks at once; the store writes in the background.
+
+This side imports no vLLM: it works on the step's plan (:mod:`ucm.vllm.transfers`) and
+torch tensors, so its data path runs wherever torch does (a GPU machine without vLLM).
 """
 
 from __future__ import annotations
@@ -37,13 +40,12 @@ import torch
 from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store import KeyResult, Task
-from ucm.core.store.payload import Payload
 from ucm.kernels import BlockSegments, HostStager, block_segments, payload_nbytes
-from ucm.vllm.buffers import RowPool
+from ucm.kernels.transfer import RowPool, deferred_payloads, row_buffers, verified_prefix
+from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
-from ucm.vllm.metadata import NULL_BLOCK, Item, Transfer, UCMConnectorMetadata
-from ucm.vllm.stats import UCMStats
 from ucm.vllm.stores import ConnectorStores
+from ucm.vllm.transfers import NULL_BLOCK, Item, StepPlan, Transfer
 
 log = logging.getLogger(__name__)
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
@@ -98,7 +100,7 @@ class WorkerSide:
         self.tracker = DumpTracker()
         self.load_error_blocks: set[int] = set()
         self.delayed: list[str] = []
-        self.stats = UCMStats()
+        self.stats = Counters()
         self.in_place = False  # sync loads read straight into the cache (register_kv_caches)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -156,7 +158,7 @@ class WorkerSide:
 
     # -- loads --
 
-    def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
+    def start_load_kv(self, meta: StepPlan) -> None:
         if not self.sync_loads:
             for transfer in meta.loads:
                 self.loads[transfer.req_id] = self._submit_load(transfer)
@@ -217,9 +219,9 @@ class WorkerSide:
         for store, positions in _positions(items, lambda it: stores.of(self._group(it))).items():
             keys = self._keys([items[p] for p in positions])
             buffers: list[object] = (
-                [rows[p].numpy() for p in positions]
+                row_buffers([rows[p] for p in positions])
                 if segments is None
-                else [Payload.deferred(segments.nbytes, segments, p) for p in positions]
+                else deferred_payloads(segments, positions)
             )
             try:
                 task = store.load(keys, buffers, LAYOUT_TAG)
@@ -263,13 +265,10 @@ class WorkerSide:
         """
         items = job.transfer.items
         results = job.results() if usable else [None] * len(items)
-        ok = [r is not None and r.ok for r in results]
-        bad_keys = {it.key for it, fine in zip(items, ok) if not fine and self._full(it)}
-        first_bad = min(bad_keys, default=None)
-        all_ok = all(ok)
-        use = [
-            all_ok or (self._full(it) and (first_bad is None or it.key < first_bad)) for it in items
-        ]
+        all_ok = all(r is not None and r.ok for r in results)
+        full = [p for p, it in enumerate(items) if self._full(it)]
+        prefix = verified_prefix([results[p] for p in full], [items[p].key for p in full])
+        use = [all_ok or (self._full(it) and it.key < prefix) for it in items]
         if not job.in_place:  # else the blocks are in the cache already
             used = [p for p, u in enumerate(use) if u and p < len(job.rows)]
             self._scatter([items[p] for p in used], [job.rows[p] for p in used])
@@ -317,13 +316,13 @@ class WorkerSide:
 
     # -- dumps --
 
-    def handle_preemptions(self, meta: UCMConnectorMetadata) -> None:
+    def handle_preemptions(self, meta: StepPlan) -> None:
         """Before the forward pass that may reuse the preempted requests' blocks: nothing
         to wait for.  Every dump gathered its blocks into host rows in the step that
         planned it, so the engine may reuse them already; the writes go on, and a resumed
         request that looks its prefix up before they land recomputes what is missing."""
 
-    def wait_for_save(self, meta: UCMConnectorMetadata) -> None:
+    def wait_for_save(self, meta: StepPlan) -> None:
         self.delayed += meta.delayed
         if self.stores is None:
             return
@@ -343,7 +342,7 @@ class WorkerSide:
             self.caches[group], [it.block_ids for it in items], rows, null_block_id=NULL_BLOCK
         ).wait()
         try:
-            task = store.dump(self._keys(items), [r.numpy() for r in rows], LAYOUT_TAG)
+            task = store.dump(self._keys(items), row_buffers(rows), LAYOUT_TAG)
         except Exception as exc:  # noqa: BLE001 - a failing store never stops serving
             log.warning("ucm: dump for request %s failed: %s", req_id, exc)
             self.stats.add(dump_errors=len(items))
