@@ -3,6 +3,7 @@ made in place."""
 
 import torch
 from ucm.core.store.task import KeyResult, Status
+
 from ucm.kernels import block_segments
 from ucm.kernels.transfer import (
     RowPool,

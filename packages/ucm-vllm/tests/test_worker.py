@@ -4,11 +4,10 @@ GPU the round trips run on its caches too (``-k cuda``)."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
