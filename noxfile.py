@@ -127,6 +127,11 @@ def _named_tests(session: nox.Session) -> bool:
     return any(Path(arg.split("::")[0]).exists() for arg in session.posargs)
 
 
+# tests run side by side, one worker a core (at most 4: each may run an engine of a few GiB);
+# tests that share a module's engines are kept on one worker (xdist_group)
+WORKERS = str(max(1, min(4, len(os.sched_getaffinity(0)))))
+
+
 def _pytest(session: nox.Session, packages: list[str], *options: str) -> None:
     """pytest over the packages' tests, or over the tests named after ``--``."""
     dirs = [f"{p}/tests" for p in packages if any(Path(p, "tests").glob("test_*.py"))]
@@ -135,6 +140,11 @@ def _pytest(session: nox.Session, packages: list[str], *options: str) -> None:
         "--import-mode=importlib",
         "-p",
         "no:cacheprovider",
+        "-n",
+        WORKERS,
+        "--dist",
+        "loadgroup",
+        "--durations=25",  # where the time goes, in every log
         *options,
         *([] if _named_tests(session) else dirs),
         *session.posargs,

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 
+# the tests on the module's cold store run on one worker, in order
+COLD = pytest.mark.xdist_group("test_e2e_cold")
 ENGINE_BLOCK = 32
 STORE_BLOCK = 256
 
@@ -51,6 +53,7 @@ def full_blocks(prompt: list[int]) -> int:
     return len(prompt) // ENGINE_BLOCK
 
 
+@COLD
 def test_cold_run_matches_reference_and_stores(reference, cold, store_dir, prompts):
     assert_same_outputs(reference, cold)
     blocks = [p for p in Path(store_dir, "blocks").rglob("*") if p.is_file()]
@@ -59,6 +62,7 @@ def test_cold_run_matches_reference_and_stores(reference, cold, store_dir, promp
     assert cold["metrics"]["vllm:ucm_dumped_blocks"] >= 3 + len(prompts)
 
 
+@COLD
 def test_warm_fresh_process_loads_and_matches(reference, cold, tiny_model, prompts, store_dir):
     warm = run_engine(
         {"model": tiny_model, "prompts": prompts, "store": {"kind": "posix", "path": store_dir}}
@@ -72,6 +76,7 @@ def test_warm_fresh_process_loads_and_matches(reference, cold, tiny_model, promp
     assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
 
 
+@COLD
 def test_corrupt_store_recomputes(reference, cold, tiny_model, prompts, store_dir, tmp_path):
     import shutil
 
@@ -104,6 +109,7 @@ def test_unusable_store_path_keeps_serving(reference, tiny_model, prompts, tmp_p
     assert "store unavailable, serving without it" in run["log"]
 
 
+@COLD
 def test_read_only_store_serves_hits_and_stores_nothing(
     reference, cold, tiny_model, prompts, store_dir, tmpfs
 ):
@@ -169,6 +175,7 @@ def _swap_payload(into: Path, source: Path) -> None:
     into.write_bytes(encode_header(header.key, payload, header.layout) + payload)
 
 
+@COLD
 def test_comparisons_catch_a_wrong_block(reference, cold, tiny_model, prompts, store_dir, tmp_path):
     # The oracle must be able to fail.  The cold run sent its prompts one at a time, so the
     # last two blocks it wrote are the own blocks (tokens 768-1023) of prompts 1 and 2,
@@ -227,6 +234,7 @@ def test_preemption_with_small_kv_space(tiny_model, tmp_path):
     assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
 
 
+@COLD
 def test_same_weights_at_another_path_hit(
     reference, cold, tiny_model, prompts, store_dir, tmp_path
 ):
@@ -243,6 +251,7 @@ def test_same_weights_at_another_path_hit(
     assert run["metrics"].get("vllm:ucm_load_errors", 0) == 0
 
 
+@COLD
 def test_weights_rewritten_in_place_never_hit(cold, tiny_model, prompts, store_dir, tmp_path):
     # New weights written over the path whose blocks are stored (the same config, shapes
     # and file sizes): no block of the old weights is loaded, and the outputs are those of

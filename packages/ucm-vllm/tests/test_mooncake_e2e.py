@@ -24,7 +24,8 @@ from ucm.lab.testing.vllm.engine import (
     start_engine,
 )
 
-pytestmark = pytest.mark.engine  # real engines, in fresh processes
+# real engines, in fresh processes; the module's engines and stores shared on one worker
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("test_mooncake_e2e")]
 
 pytest.importorskip("vllm")
 

@@ -11,6 +11,11 @@ Markers (``-m "not engine"`` and so on; the quick tier deselects all three):
 Tests that use a fixture below get its marker without writing it.  Where Mooncake is
 missing, its tests skip, except under ``UCM_REQUIRE_MOONCAKE=1`` (what the nox sessions
 set): there they fail, so a CI machine without Mooncake cannot pass by skipping them.
+
+Run side by side (pytest-xdist, ``-n``), each worker's engines compute on a core of their
+own (``VLLM_CPU_OMP_THREADS_BIND``), so that two engines never share one: vLLM CPU computes
+on one thread either way, and outputs compared within a test come from one worker.  Tests
+that run engines go first, the quick ones fill the gaps at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ FIXTURE_MARKERS = {
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -45,6 +54,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture in getattr(item, "fixturenames", ()):
             for marker in FIXTURE_MARKERS.get(fixture, ()):
                 item.add_marker(marker)
+    # the long ones first (a stable sort: each module's own order is kept)
+    items.sort(key=lambda item: item.get_closest_marker("engine") is None)
 
 
 def mooncake_missing(*binaries: str) -> str | None:
