@@ -128,7 +128,8 @@ def _named_tests(session: nox.Session) -> bool:
 
 
 # tests run side by side, one worker a core (at most 4: each may run an engine of a few GiB);
-# tests that share a module's engines are kept on one worker (xdist_group)
+# each module's tests run on one worker, in order (they share its engines and stores), the
+# modules in collection order (ucm.lab's plugin puts the ones that run engines first)
 WORKERS = str(max(1, min(4, len(os.sched_getaffinity(0)))))
 
 
@@ -143,7 +144,8 @@ def _pytest(session: nox.Session, packages: list[str], *options: str) -> None:
         "-n",
         WORKERS,
         "--dist",
-        "loadgroup",
+        "loadscope",
+        "--no-loadscope-reorder",
         "--durations=25",  # where the time goes, in every log
         *options,
         *([] if _named_tests(session) else dirs),

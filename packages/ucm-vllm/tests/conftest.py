@@ -19,6 +19,22 @@ def tiny_model(tmp_path_factory):
     return str(make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny_llama"))
 
 
+@pytest.fixture(scope="module")
+def prompts():
+    """Three prompts sharing a 1000-token prefix (a module may define its own)."""
+    from ucm.lab.testing.vllm.engine import shared_prefix_prompts
+
+    return shared_prefix_prompts(3, prefix=1000, tail=100)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, prompts):
+    """vLLM alone on ``prompts``, one request at a time: the oracle of a module's runs."""
+    from ucm.lab.testing.vllm.engine import run_engine
+
+    return run_engine({"model": tiny_model, "prompts": prompts})
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """``tmpfs(size)``: a fresh tmpfs mounted under tmp_path (a real small or read-only

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from ucm.lab.testing.vllm.engine import assert_close_outputs, assert_same_outputs, run_engine
 
-# real engines, in fresh processes; the module's engines and stores shared on one worker
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("test_hybrid_e2e")]
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 

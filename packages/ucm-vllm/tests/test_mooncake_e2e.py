@@ -24,8 +24,7 @@ from ucm.lab.testing.vllm.engine import (
     start_engine,
 )
 
-# real engines, in fresh processes; the module's engines and stores shared on one worker
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("test_mooncake_e2e")]
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 

@@ -18,8 +18,7 @@ from ucm.lab.testing.vllm.engine import mooncake_store, run_engine, shared_prefi
 from ucm.lab.testing.vllm.models import make_word_tokenizer, words
 from ucm.lab.testing.vllm.serve import Server, assert_same, chat, complete
 
-# real engines, in fresh processes; the module's engines and stores shared on one worker
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("test_serve")]
+pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 pytest.importorskip("openai")

@@ -12,10 +12,11 @@ Tests that use a fixture below get its marker without writing it.  Where Mooncak
 missing, its tests skip, except under ``UCM_REQUIRE_MOONCAKE=1`` (what the nox sessions
 set): there they fail, so a CI machine without Mooncake cannot pass by skipping them.
 
-Run side by side (pytest-xdist, ``-n``), each worker's engines compute on a core of their
-own (``VLLM_CPU_OMP_THREADS_BIND``), so that two engines never share one: vLLM CPU computes
-on one thread either way, and outputs compared within a test come from one worker.  Tests
-that run engines go first, the quick ones fill the gaps at the end.
+Run side by side (pytest-xdist, ``-n``, a module to a worker), each worker's engines
+compute on a core of their own (``VLLM_CPU_OMP_THREADS_BIND``), so that two engines never
+share one: vLLM CPU computes on one thread either way, and outputs compared within a module
+come from one worker.  Tests that run engines go first, the quick ones fill the gaps at the
+end.
 """
 
 from __future__ import annotations

@@ -8,12 +8,9 @@ writer is known dead (same host) or it is older than ``stale_temp_seconds``.  Ev
 checks the header and the payload checksum, so a torn block after a power loss, a foreign
 file or a flipped bit is a miss, never data.
 
-Capacity is shared by every process using the directory, so it is enforced from what is on
-disk: when this process's count of bytes would pass the limit, it scans the directory and
-deletes the least recently used blocks (recency is the file's mtime, which every load
-refreshes) until ``evict_fraction`` of the capacity is free.  Blocks this process is reading
-are skipped; a block another process has open stays readable after unlink (POSIX keeps the
-inode until it is closed).
+The capacity policy (:mod:`.capacity`) decides when a dump must first evict and how far;
+this module scans the directory and deletes.  A block another process has open stays
+readable after it is evicted (POSIX keeps the inode until it is closed).
 """
 
 from __future__ import annotations
