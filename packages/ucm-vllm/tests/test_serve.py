@@ -160,13 +160,29 @@ def test_sigterm_with_dumps_in_flight_exits_clean_and_leaves_valid_blocks(cold, 
         except Exception as exc:  # the server going away mid-request
             answers.append(exc)
 
+    finished_before = cold.metrics().get("vllm:request_success_total", 0)
     threads = [threading.Thread(target=send, args=(p,), daemon=True) for p in LATE]
     for thread in threads:
         thread.start()
     # stop once the first blocks of these prompts are handed to the store (each store block
-    # is dumped as the prefill completes it), while the rest are still being computed
-    metrics = wait_for_metric(cold, "vllm:ucm_dumped_blocks_total", before + 1, timeout=120)
+    # is dumped as the prefill completes it), while the rest are still being computed, and
+    # once every request has reached the engine: vLLM's server never answers one that
+    # arrives after SIGTERM, nor exits while it waits
+    deadline = time.monotonic() + 120
+    while True:
+        metrics = cold.metrics()
+        arrived = (
+            metrics.get("vllm:num_requests_running", 0)
+            + metrics.get("vllm:num_requests_waiting", 0)
+            + metrics.get("vllm:request_success_total", 0)
+            - finished_before
+        )
+        dumping = metrics.get("vllm:ucm_dumped_blocks_total", 0) > before
+        if (dumping and arrived >= len(LATE)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert metrics["vllm:ucm_dumped_blocks_total"] > before, "no dump started"
+    assert arrived >= len(LATE), metrics
     running = metrics.get("vllm:num_requests_running", 0) + metrics.get(
         "vllm:num_requests_waiting", 0
     )
