@@ -131,9 +131,13 @@ def _named_tests(session: nox.Session) -> bool:
 # each module's tests run on one worker, in order (they share its engines and stores), the
 # modules in collection order (ucm.lab's plugin puts the ones that run engines first)
 WORKERS = str(max(1, min(4, len(os.sched_getaffinity(0)))))
+# ucm-core's tests alone mostly wait (processes, sockets, Mooncake's daemons): two a core
+CORE_WORKERS = str(max(2, min(8, 2 * len(os.sched_getaffinity(0)))))
 
 
-def _pytest(session: nox.Session, packages: list[str], *options: str) -> None:
+def _pytest(
+    session: nox.Session, packages: list[str], *options: str, workers: str = WORKERS
+) -> None:
     """pytest over the packages' tests, or over the tests named after ``--``."""
     dirs = [f"{p}/tests" for p in packages if any(Path(p, "tests").glob("test_*.py"))]
     session.run(
@@ -142,7 +146,7 @@ def _pytest(session: nox.Session, packages: list[str], *options: str) -> None:
         "-p",
         "no:cacheprovider",
         "-n",
-        WORKERS,
+        workers,
         "--dist",
         "loadscope",
         "--no-loadscope-reorder",
@@ -184,7 +188,7 @@ def tests_quick(session: nox.Session) -> None:
 def tests_core(session: nox.Session) -> None:
     """ucm-core's tests (it imports no engine) on every Python it supports."""
     _install_wheels(session, [CORE, LAB], TEST_EXTRAS)
-    _pytest(session, [CORE])
+    _pytest(session, [CORE], workers=CORE_WORKERS)
 
 
 @nox.session(python=PYTHON, tags=["matrix"])
