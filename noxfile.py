@@ -87,7 +87,9 @@ def _build(session: nox.Session, packages: list[str], dist: Path) -> dict[str, P
     session.install("build")
     shutil.rmtree(dist, ignore_errors=True)
     for package in packages:
-        session.run_install("python", "-m", "build", "--quiet", "--outdir", str(dist), package)
+        session.run_install(
+            "python", "-m", "build", "--quiet", "--outdir", str(dist), str(ROOT / package)
+        )
     return {p: next(dist.glob(f"{Path(p).name.replace('-', '_')}-*.whl")) for p in packages}
 
 
