@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import EntryPoint, entry_points
 
 from tqdm import tqdm
 from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
@@ -141,14 +142,13 @@ COMMANDS_GROUP = "ucm.commands"
 LAB_COMMANDS = ("bench",)
 
 
-def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
-    from importlib.metadata import entry_points
-
-    for entry in entry_points(group=COMMANDS_GROUP):
-        entry.load()(sub)
+def _plugin_commands() -> list[EntryPoint]:
+    return list(entry_points(group=COMMANDS_GROUP))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: Sequence[EntryPoint] | None = None) -> argparse.ArgumentParser:
+    """The command line; ``plugins``: the entry points that add commands (default: the
+    installed ones)."""
     parser = argparse.ArgumentParser(
         prog="ucm", description="UCM: KV-cache persistence for LLM inference"
     )
@@ -182,21 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     model_id.add_argument("--json", action="store_true", help="print one JSON object")
     model_id.set_defaults(func=cmd_model_id)
 
-    _add_plugin_commands(sub)
+    for plugin in _plugin_commands() if plugins is None else plugins:
+        plugin.load()(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from importlib.metadata import entry_points
-
     argv = sys.argv[1:] if argv is None else list(argv)
-    added = {entry.name for entry in entry_points(group=COMMANDS_GROUP)}
-    if argv and argv[0] in LAB_COMMANDS and argv[0] not in added:
+    plugins = _plugin_commands()
+    if argv and argv[0] in LAB_COMMANDS and argv[0] not in {p.name for p in plugins}:
         raise SystemExit(
             f"ucm: '{argv[0]}' comes with ucm-lab, the project's benchmarks and demos, which "
             "is not published: from a checkout, pip install ./packages/ucm-lab"
         )
-    args = build_parser().parse_args(argv)
+    args = build_parser(plugins).parse_args(argv)
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -40,11 +40,12 @@ class RowPool:
         self._free: dict[tuple[int, bool], list[list[torch.Tensor]]] = defaultdict(list)
         self._free_bytes = 0
         self._lock = threading.Lock()
+        self._pin = torch.cuda.is_available()  # pinned by default where a GPU is (asked once)
 
     def take(self, nbytes: int, count: int, *, pin: bool | None = None) -> list[torch.Tensor]:
         """``count`` rows of ``nbytes``, reused where free; pinned when ``pin`` (``None``:
-        when a GPU is there, as :func:`alloc_host_buffers` decides)."""
-        pinned = torch.cuda.is_available() if pin is None else bool(pin)
+        when a GPU is there)."""
+        pinned = self._pin if pin is None else bool(pin)
         rows: list[torch.Tensor] = []
         with self._lock:
             runs = self._free[(nbytes, pinned)]
@@ -82,8 +83,7 @@ class RowPool:
     def reserve(self, nbytes: int, count: int, *, pin: bool | None = None) -> None:
         """Add ``count`` rows of ``nbytes``, touched now rather than on the first use."""
         if count > 0:
-            pinned = torch.cuda.is_available() if pin is None else bool(pin)
-            block = alloc_host_buffers(nbytes, count, pin=pinned)
+            block = alloc_host_buffers(nbytes, count, pin=self._pin if pin is None else pin)
             block.fill_(0)
             self.give(block.unbind(0))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucm.vllm.transfers import NULL_BLOCK, Item, StepPlan, Transfer
+from ucm.vllm.transfers import StepPlan
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -15,4 +15,4 @@ class UCMConnectorMetadata(StepPlan, KVConnectorMetadata):
     pass
 
 
-__all__ = ["NULL_BLOCK", "Item", "StepPlan", "Transfer", "UCMConnectorMetadata"]
+__all__ = ["UCMConnectorMetadata"]

@@ -5,8 +5,11 @@ key prefixes) and shares its capacity with :func:`split_gb`."""
 from __future__ import annotations
 
 import math
+import os
 from fractions import Fraction
+from typing import Any
 
+import attrs
 from ucm.core.settings import ConfigError
 
 FA_SUBDIR = "fa"
@@ -25,3 +28,12 @@ def split_gb(capacity_gb: float, wa_fraction: float) -> tuple[float, float]:
             f"{wa_fraction!r} of {capacity_gb!r} GiB leaves one of the two stores nothing",
         )
     return fa, wa
+
+
+def in_subfolders(config: Any, fa_gb: float | None, wa_gb: float | None) -> tuple[Any, Any]:
+    """``config`` as two stores in the folders ``fa`` and ``wa`` of its ``path``, with the
+    capacities given (the stores that keep their blocks in a folder: posix, dram)."""
+    return (
+        attrs.evolve(config, path=os.path.join(config.path, FA_SUBDIR), capacity_gb=fa_gb),
+        attrs.evolve(config, path=os.path.join(config.path, WA_SUBDIR), capacity_gb=wa_gb),
+    )

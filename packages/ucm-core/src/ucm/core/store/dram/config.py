@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import attrs
@@ -15,7 +14,7 @@ from ucm.core.settings import (
     positive_number,
     setting,
 )
-from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR, split_gb
+from ucm.core.store.split import in_subfolders, split_gb
 
 if TYPE_CHECKING:
     from ucm.core.store.base import Store
@@ -82,10 +81,7 @@ class DramStoreConfig:
         fa_gb, wa_gb = split_gb(self.capacity_gb, wa_fraction)
         if self.scope == "process":
             return attrs.evolve(self, capacity_gb=fa_gb), attrs.evolve(self, capacity_gb=wa_gb)
-        return (
-            attrs.evolve(self, path=os.path.join(self.path, FA_SUBDIR), capacity_gb=fa_gb),
-            attrs.evolve(self, path=os.path.join(self.path, WA_SUBDIR), capacity_gb=wa_gb),
-        )
+        return in_subfolders(self, fa_gb, wa_gb)
 
     def for_lookups_only(self) -> DramStoreConfig:
         return self

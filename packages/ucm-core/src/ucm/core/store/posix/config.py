@@ -18,7 +18,7 @@ from ucm.core.settings import (
     positive_number,
     setting,
 )
-from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR, split_gb
+from ucm.core.store.split import in_subfolders, split_gb
 
 if TYPE_CHECKING:
     from ucm.core.store.base import Store
@@ -102,10 +102,7 @@ class PosixStoreConfig:
         wa_gb: float | None = None
         if self.capacity_gb is not None:
             fa_gb, wa_gb = split_gb(self.capacity_gb, wa_fraction)
-        return (
-            attrs.evolve(self, path=os.path.join(self.path, FA_SUBDIR), capacity_gb=fa_gb),
-            attrs.evolve(self, path=os.path.join(self.path, WA_SUBDIR), capacity_gb=wa_gb),
-        )
+        return in_subfolders(self, fa_gb, wa_gb)
 
     def for_lookups_only(self) -> PosixStoreConfig:
         return self
