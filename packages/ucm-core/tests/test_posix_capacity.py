@@ -14,7 +14,7 @@ class Block:
 def test_an_unlimited_store_takes_everything_and_never_refuses():
     capacity = Capacity(None, 0.1)
     assert capacity.refusal(1 << 40) is None
-    assert capacity.take(1 << 40) and capacity.inflight_bytes == 1 << 40
+    assert capacity.take(1 << 40, used=1 << 50) and capacity.inflight_bytes == 1 << 40
 
 
 def test_a_block_larger_than_the_limit_is_refused_with_both_sizes():
@@ -23,40 +23,30 @@ def test_a_block_larger_than_the_limit_is_refused_with_both_sizes():
     assert Capacity(1000, 0.1).refusal(1000) is None
 
 
-def test_take_counts_blocks_on_disk_and_writes_in_flight():
+def test_take_counts_what_the_store_holds_and_writes_in_flight():
     capacity = Capacity(1000, 0.1)
-    capacity.add(600)
-    assert capacity.take(300)  # 600 on disk + 300 in flight
-    assert not capacity.take(101)  # would pass the limit
+    assert capacity.take(300, used=600)  # 600 stored + 300 in flight
+    assert not capacity.take(101, used=600)  # would pass the limit
     assert capacity.inflight_bytes == 300
-    capacity.finished(300, published=True)
-    assert (capacity.used_bytes, capacity.used_blocks, capacity.inflight_bytes) == (900, 2, 0)
-    assert capacity.take(100) and not capacity.take(1)
+    capacity.finished(300)
+    assert capacity.inflight_bytes == 0
+    assert capacity.take(100, used=900) and not capacity.take(1, used=900)
 
 
-def test_a_write_that_fails_gives_its_bytes_back_uncounted():
+def test_a_write_that_ends_gives_its_bytes_back():
     capacity = Capacity(1000, 0.1)
-    assert capacity.take(500)
-    capacity.finished(500, published=False)
-    assert (capacity.used_bytes, capacity.used_blocks, capacity.inflight_bytes) == (0, 0, 0)
+    assert capacity.take(500, used=0)
+    capacity.finished(500)
+    assert capacity.inflight_bytes == 0 and capacity.take(1000, used=0)
 
 
 def test_eviction_frees_the_fraction_and_room_for_the_block_and_the_writes_in_flight():
     capacity = Capacity(1000, 0.25)
-    capacity.add(1000, blocks=10)
     assert capacity.eviction_target(100) == 750 - 100
     capacity.inflight_bytes = 200
     assert capacity.eviction_target(100) == 750 - 100 - 200
     capacity.inflight_bytes = 2000  # more in flight than the floor: evict everything
     assert capacity.eviction_target(100) == 0
-
-
-def test_after_an_eviction_pass_the_count_is_what_it_left():
-    capacity = Capacity(1000, 0.1)
-    capacity.add(990, blocks=9)
-    capacity.counted(400, 4)
-    capacity.remove(100)
-    assert (capacity.used_bytes, capacity.used_blocks) == (300, 3)
 
 
 def test_least_recently_used_go_first_and_blocks_being_read_never():

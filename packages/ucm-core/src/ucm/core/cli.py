@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -13,8 +14,19 @@ from importlib.metadata import EntryPoint, entry_points
 
 from tqdm import tqdm
 from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
-from ucm.core.settings import GIB, ConfigError
-from ucm.core.store.posix import BLOCKS_DIR, evict_lru, read_marker, scan_store, verify_block_file
+from ucm.core.settings import GIB, MAX_GIB, ConfigError
+from ucm.core.signing import signer_for
+from ucm.core.store.posix import (
+    BLOCKS_DIR,
+    NEEDS_SECRET,
+    evict_lru,
+    read_marker,
+    scan_store,
+    verify_block_file,
+)
+from ucm.core.store.posix.fileio import open_dir, unlink_in
+from ucm.core.store.posix.layout import block_relative
+from ucm.core.store.posix.usage import SharedUsage
 
 
 def _human(n: float) -> str:
@@ -64,38 +76,72 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     root = _require_store(args.path)
+    signer = signer_for(args.secret, "--secret")
     scan = scan_store(root)
     corrupt: list[tuple[str, str]] = []
+    unchecked = 0
     for block in tqdm(scan.blocks, desc="verify", unit="block", disable=None, file=sys.stderr):
-        problem = verify_block_file(block.path)
-        if problem:
-            corrupt.append((block.path, problem))
-    for path, problem in corrupt:
-        print(f"CORRUPT {path}: {problem}")
-        if args.remove:
-            try:
-                os.unlink(path)
-            except OSError as exc:
-                print(f"  cannot remove: {exc.strerror}")
+        problem = verify_block_file(block.path, signer)
+        if problem == NEEDS_SECRET:
+            unchecked += 1
+        elif problem:
+            corrupt.append((block.name, problem))
+    root_fd = open_dir(root)
+    try:
+        for name, problem in corrupt:
+            print(f"CORRUPT {os.path.join(root, block_relative(name))}: {problem}")
+            if args.remove:
+                try:
+                    unlink_in(root_fd, block_relative(name))
+                except OSError as exc:
+                    print(f"  cannot remove: {exc.strerror}")
+    finally:
+        os.close(root_fd)
     for path in scan.foreign:
         print(f"FOREIGN {path}: not a UCM block (ignored by the store)")
+    if unchecked:
+        print(f"UNCHECKED {unchecked} signed blocks: {NEEDS_SECRET}")
     verdict = "FAILED" if corrupt else "OK"
     removed = " (removed)" if args.remove and corrupt else ""
     print(
-        f"{verdict}: {len(scan.blocks)} blocks checked, {len(corrupt)} corrupt{removed}, "
-        f"{len(scan.foreign)} foreign files, {scan.temps_removed} stale temporary files removed"
+        f"{verdict}: {len(scan.blocks) - unchecked} blocks checked, {len(corrupt)} corrupt"
+        f"{removed}, {len(scan.foreign)} foreign files, {scan.temps_removed} stale temporary "
+        "files removed"
     )
     return 1 if corrupt else 0
 
 
+def _capacity_gb(text: str) -> float:
+    """``--capacity-gb``: a positive, finite number of GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_GIB):
+        raise argparse.ArgumentTypeError(f"must be a number in (0, {MAX_GIB:g}], got {text}")
+    return value
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     root = _require_store(args.path)
-    if not args.capacity_gb > 0:
-        raise SystemExit(f"ucm: --capacity-gb must be positive, got {args.capacity_gb}")
-    scan = scan_store(root)
     target = int(args.capacity_gb * GIB)
-    before = scan.bytes
-    remaining, count = evict_lru(scan, target)
+    root_fd = open_dir(root)
+    try:
+        usage = SharedUsage(root_fd)
+    except OSError:
+        usage = None  # a store that cannot be written: nothing will be removed either
+    try:
+        counted = usage.read() if usage is not None else (0, 0)
+        scan = scan_store(root)
+        before = scan.bytes
+        remaining, count = evict_lru(scan, target, root_fd)
+        if usage is not None:  # the engines' count follows what gc removed
+            removed = (before - remaining, len(scan.blocks) - count)
+            usage.resync((remaining, count), counted, removed)
+    finally:
+        if usage is not None:
+            usage.close()
+        os.close(root_fd)
     print(
         f"gc: {len(scan.blocks) - count} blocks removed, {_human(before)} -> {_human(remaining)} "
         f"(capacity {_human(target)}), {scan.temps_removed} stale temporary files removed"
@@ -164,10 +210,15 @@ def build_parser(plugins: Sequence[EntryPoint] | None = None) -> argparse.Argume
     verify = store_sub.add_parser("verify", help="check every block; exit 1 if any is corrupt")
     verify.add_argument("path")
     verify.add_argument("--remove", action="store_true", help="delete the corrupt blocks")
+    verify.add_argument(
+        "--secret",
+        metavar="env:NAME|file:PATH",
+        help="the store's secret, to check signed blocks (else they are counted unchecked)",
+    )
     verify.set_defaults(func=cmd_verify)
     gc = store_sub.add_parser("gc", help="evict least recently used blocks down to a capacity")
     gc.add_argument("path")
-    gc.add_argument("--capacity-gb", type=float, required=True, help="GiB to keep")
+    gc.add_argument("--capacity-gb", type=_capacity_gb, required=True, help="GiB to keep")
     gc.set_defaults(func=cmd_gc)
 
     model_id = sub.add_parser(

@@ -23,7 +23,7 @@ from ucm.core.settings import (
     setting,
     with_config_file,
 )
-from ucm.core.store.dram.config import SHARED_MEMORY_PATH, DramStoreConfig
+from ucm.core.store.dram.config import DramStoreConfig, default_shared_memory_path
 from ucm.core.store.kinds import (
     STORE_CONFIGS,
     STORE_KINDS,
@@ -94,7 +94,7 @@ DOCUMENTED_CLASSES: list[tuple[str, type]] = [
 __all__ = [
     "DOCUMENTED_CLASSES",
     "GIB",
-    "SHARED_MEMORY_PATH",
+    "default_shared_memory_path",
     "STORE_KINDS",
     "ConfigError",
     "DramStoreConfig",

@@ -60,6 +60,39 @@ def positive_number(_inst: object, attribute: attrs.Attribute[Any], value: objec
 
 optional_positive_number = optional(positive_number)
 
+#: the largest size in GiB a setting takes (an exbibyte): beyond it, bytes overflow a float
+MAX_GIB = float(1 << 30)
+#: the longest time in seconds a setting takes (11 days): beyond it, waits overflow
+MAX_SECONDS = 1e6
+
+
+def number_up_to(
+    high: float, *, low: float = 0.0, zero: bool = False, unit: str = ""
+) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A number in (``low``, ``high``] (``[low, high]`` with ``zero``)."""
+    shown = f" {unit}" if unit else ""
+    opening = "[" if zero else "("
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if (
+            not _is_number(value)
+            or not math.isfinite(value)  # type: ignore[arg-type]
+            or not (low <= value if zero else low < value)  # type: ignore[operator]
+            or value > high  # type: ignore[operator]
+        ):
+            raise ConfigError(
+                attribute.name,
+                f"must be a number in {opening}{low:g}, {high:g}]{shown}, got {value!r}",
+            )
+
+    return check
+
+
+#: a size in GiB, > 0
+size_gib = number_up_to(MAX_GIB, unit="GiB")
+#: a time in seconds, > 0
+seconds = number_up_to(MAX_SECONDS, unit="s")
+
 
 def int_in_range(low: int, high: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
     def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -18,7 +18,17 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from ucm.core.store.posix import pid_alive
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (in this PID namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 _PREFIX = "ucmlab"
 _BRIDGE_PREFIX = "ucmb"

@@ -179,7 +179,11 @@ def child_fsize(cfg: dict) -> int:
 
 
 def child_sleep(cfg: dict) -> int:
+    """Sleep; with ``root``, as a writer of the store there (its id on the second line)."""
     print("running", flush=True)
+    if "root" in cfg:
+        store = _store(cfg)
+        print(store._writer[0], flush=True)
     time.sleep(cfg.get("seconds", 600))
     return 0
 

@@ -6,8 +6,8 @@
 - :mod:`.process`: scope ``process``, this process's own memory (:class:`DramStore`).
 """
 
-from ucm.core.store.dram.config import SHARED_MEMORY_PATH, DramStoreConfig
+from ucm.core.store.dram.config import DramStoreConfig, default_shared_memory_path
 from ucm.core.store.dram.process import DramStore
 from ucm.core.store.dram.shared import SharedMemoryStore
 
-__all__ = ["SHARED_MEMORY_PATH", "DramStore", "DramStoreConfig", "SharedMemoryStore"]
+__all__ = ["DramStore", "DramStoreConfig", "SharedMemoryStore", "default_shared_memory_path"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import attrs
@@ -11,16 +12,21 @@ from ucm.core.settings import (
     boolean,
     non_empty_str,
     one_of,
-    positive_number,
     setting,
+    size_gib,
 )
+from ucm.core.signing import secret_reference
 from ucm.core.store.split import in_subfolders, split_gb
 
 if TYPE_CHECKING:
     from ucm.core.store.base import Store
 
-#: where a host-scope dram store lives unless told: the shared memory every Linux host mounts
-SHARED_MEMORY_PATH = "/dev/shm/ucm"
+
+def default_shared_memory_path() -> str:
+    """Where a host-scope dram store lives unless told: ``/dev/shm/ucm-<uid>``, in the shared
+    memory every Linux host mounts, one folder per user (a folder of one name for all would
+    be open to whoever made it first)."""
+    return f"/dev/shm/ucm-{os.geteuid()}"
 
 
 @attrs.frozen
@@ -31,9 +37,7 @@ class DramStoreConfig:
     side by side, the next engine after a restart), with the posix store's promises."""
 
     kind: str = setting("Store kind.", default="dram", validator=one_of("dram"))
-    capacity_gb: float = setting(
-        "Size limit in GiB (2^30 bytes).", default=4.0, validator=positive_number
-    )
+    capacity_gb: float = setting("Size limit in GiB (2^30 bytes).", default=4.0, validator=size_gib)
     scope: str = setting(
         "Who shares the blocks. ``host``: every process on the host that opens ``path`` "
         "(shared memory, kept across engine restarts until the host reboots); ``process``: "
@@ -44,8 +48,9 @@ class DramStoreConfig:
     )
     path: str = setting(
         "The folder of a host-scope store, on a memory filesystem (tmpfs); created if "
-        "missing.  Give each set of engines that must not share blocks its own.",
-        default=SHARED_MEMORY_PATH,
+        "missing, and refused if another user can write it.  Give each set of engines that "
+        "must not share blocks its own. Default: ``/dev/shm/ucm-<uid>``.",
+        factory=default_shared_memory_path,
         validator=non_empty_str,
     )
     preallocate: bool = setting(
@@ -55,13 +60,25 @@ class DramStoreConfig:
         validator=boolean,
     )
 
+    secret: str | None = setting(
+        "Sign every block with a deployment secret (``env:NAME`` or ``file:PATH``), as the "
+        "posix store's ``secret``. Host scope only.",
+        default=None,
+        validator=secret_reference,
+    )
+
     def __attrs_post_init__(self) -> None:
         if self.preallocate and self.scope == "host":
             raise ConfigError(
                 "preallocate", "applies to scope 'process' only (shared memory is the tmpfs's)"
             )
-        if self.path != SHARED_MEMORY_PATH and self.scope == "process":
-            raise ConfigError("path", "applies to scope 'host' only (process memory has none)")
+        if self.scope == "process":
+            if self.path != default_shared_memory_path():
+                raise ConfigError("path", "applies to scope 'host' only (process memory has none)")
+            if self.secret is not None:
+                raise ConfigError(
+                    "secret", "applies to scope 'host' only (no other process sees this memory)"
+                )
 
     @property
     def capacity_bytes(self) -> int:

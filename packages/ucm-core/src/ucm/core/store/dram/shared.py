@@ -32,7 +32,9 @@ class SharedMemoryStore(PosixStore):
     def __init__(self, config: DramStoreConfig) -> None:
         check_memory_filesystem(config.path, config.capacity_bytes)
         self.dram_config = config
-        super().__init__(PosixStoreConfig(path=config.path, capacity_gb=config.capacity_gb))
+        super().__init__(
+            PosixStoreConfig(path=config.path, capacity_gb=config.capacity_gb, secret=config.secret)
+        )
 
     @property
     def reads_from_memory(self) -> bool:

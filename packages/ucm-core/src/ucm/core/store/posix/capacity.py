@@ -3,11 +3,11 @@ the limit, when a block fits, how far an eviction pass goes, and which blocks it
 first.  Pure (no files, no locks: the store holds its lock around every call), so it is
 tested alone.
 
-Capacity is shared by every process using the directory, so it is enforced from what is on
-disk: when this process's count would pass the limit, the store scans the directory and
-deletes the least recently used blocks (recency is the file's mtime, which every load
-refreshes) until ``evict_fraction`` of the capacity is free.  Blocks this process is reading
-are skipped.
+Capacity is shared by every process using the directory: when the store's count (kept for
+all of them, :mod:`.usage`) and this process's writes in flight would pass the limit, the
+store scans the directory and deletes the least recently used blocks (recency is the file's
+mtime, which every load refreshes) until ``evict_fraction`` of the capacity is free.  Blocks
+this process is reading are skipped.
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ class StoredBlock(Protocol):
 
 @attrs.define
 class Capacity:
-    """The limit (``None``: none) and this process's count against it: blocks on disk it
-    knows of, and bytes being written now."""
+    """The limit (``None``: none) and the bytes this process is writing now; what the
+    store holds is counted for every process in the store itself (:mod:`.usage`)."""
 
     limit: int | None
     evict_fraction: float
-    used_bytes: int = 0
-    used_blocks: int = 0
     inflight_bytes: int = 0
 
     def refusal(self, size: int) -> str | None:
@@ -45,9 +43,10 @@ class Capacity:
             return f"a block of {size} bytes is larger than the capacity ({self.limit} bytes)"
         return None
 
-    def take(self, size: int) -> bool:
-        """Count ``size`` bytes about to be written, if they fit now."""
-        if self.limit is not None and self.used_bytes + self.inflight_bytes + size > self.limit:
+    def take(self, size: int, used: int) -> bool:
+        """Count ``size`` bytes about to be written, if they fit beside the ``used`` bytes
+        the store holds."""
+        if self.limit is not None and used + self.inflight_bytes + size > self.limit:
             return False
         self.inflight_bytes += size
         return True
@@ -59,24 +58,9 @@ class Capacity:
         floor = int(self.limit * (1 - self.evict_fraction))
         return max(0, floor - size - self.inflight_bytes)
 
-    def finished(self, size: int, published: bool) -> None:
-        """A write of ``size`` bytes ended; ``published``: its block is now on disk."""
+    def finished(self, size: int) -> None:
+        """A write of ``size`` bytes ended (its block published or not)."""
         self.inflight_bytes -= size
-        if published:
-            self.add(size)
-
-    def add(self, size: int, blocks: int = 1) -> None:
-        self.used_bytes += size
-        self.used_blocks += blocks
-
-    def remove(self, size: int) -> None:
-        self.used_bytes -= size
-        self.used_blocks -= 1
-
-    def counted(self, used_bytes: int, used_blocks: int) -> None:
-        """What an eviction pass left on disk: the count starts again from it."""
-        self.used_bytes = used_bytes
-        self.used_blocks = used_blocks
 
 
 B = TypeVar("B", bound=StoredBlock)

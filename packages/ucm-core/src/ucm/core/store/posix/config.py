@@ -7,17 +7,20 @@ from typing import TYPE_CHECKING
 
 import attrs
 from ucm.core.settings import (
+    MAX_SECONDS,
+    ConfigError,
     boolean,
     fraction,
     gib_to_bytes,
     int_in_range,
     non_empty_str,
+    number_up_to,
     one_of,
     optional,
-    optional_positive_number,
-    positive_number,
     setting,
+    size_gib,
 )
+from ucm.core.signing import secret_reference
 from ucm.core.store.split import in_subfolders, split_gb
 
 if TYPE_CHECKING:
@@ -36,8 +39,8 @@ class PosixStoreConfig:
 
     kind: str = setting("Store kind.", default="posix", validator=one_of("posix"))
     path: str = setting(
-        "Directory of the store; created (mode 0700) if missing. Several processes and hosts "
-        "may share it.",
+        "Directory of the store; created (mode 0700) if missing. Several processes may share "
+        "it; it must be writable by its user alone unless ``shared`` (see Security).",
         factory=default_store_path,
         validator=non_empty_str,
     )
@@ -45,7 +48,7 @@ class PosixStoreConfig:
         "Size limit in GiB (2^30 bytes); least recently used blocks are evicted beyond it. "
         "null: no limit.",
         default=None,
-        validator=optional_positive_number,
+        validator=optional(size_gib),
     )
     fsync: str = setting(
         "When to force data to stable storage: 'never' (a crash may lose recent blocks, "
@@ -74,10 +77,34 @@ class PosixStoreConfig:
         validator=fraction,
     )
     stale_temp_seconds: float = setting(
-        "Age after which a temporary file left by a writer on another host is removed.",
+        "Age after which a temporary file left by a writer on another host is removed "
+        "(on this host, a writer's file goes once its lock is free).",
         default=3600.0,
-        validator=positive_number,
+        validator=number_up_to(MAX_SECONDS, low=60.0, zero=True, unit="s"),
     )
+    shared: bool = setting(
+        "The folder is meant to be written by other users or hosts (a team's shared mount): "
+        "its owner and mode are not checked, and ``secret`` is required so that only blocks "
+        "written with the secret are loaded.",
+        default=False,
+        validator=boolean,
+    )
+    secret: str | None = setting(
+        "Sign every block with a deployment secret, read from ``env:NAME`` (an environment "
+        "variable) or ``file:PATH`` (a file readable by its owner only): block names are "
+        "keyed by it and a block without a valid MAC is a miss. null: blocks are checked by "
+        "checksum only (see Security).",
+        default=None,
+        validator=secret_reference,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.shared and self.secret is None:
+            raise ConfigError(
+                "secret",
+                "a shared store needs a secret (env:NAME or file:PATH): without one, anyone "
+                "who can write the folder decides what your engine loads",
+            )
 
     @property
     def capacity_bytes(self) -> int | None:

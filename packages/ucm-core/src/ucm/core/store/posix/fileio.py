@@ -1,21 +1,80 @@
-"""The posix store's file I/O: vectored writes and reads that fill a block's parts in
-place, reads hashed piece by piece while each piece is still in the CPU cache, and the
-per-thread bounce buffers that O_DIRECT needs."""
+"""The posix store's file I/O: opening a block without trusting what is at its path,
+vectored writes and reads that fill a block's parts in place, reads hashed piece by piece
+while each piece is still in the CPU cache, the per-thread bounce buffers that O_DIRECT
+needs, and removals relative to directory descriptors."""
 
 from __future__ import annotations
 
 import errno
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Sequence
+from typing import Any
 
-import xxhash
 from ucm.core.block_format import HEADER_BYTES, BlockFormatError
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: How every block is opened for reading.  Whatever sits at a block's path came from a
+#: folder others may have written: a link is not followed, and a FIFO or a device opens
+#: without waiting for a writer (and is then refused by :func:`open_block`).
+O_BLOCK_READ = os.O_RDONLY | O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_O_DIR = os.O_RDONLY | O_CLOEXEC | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+
+
+class NotABlock(BlockFormatError):
+    """What is at a block's path is not a regular file (a link, a FIFO, a device...)."""
+
+
+def open_block(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
+    """A block file opened for reading, and its status; ``FileNotFoundError`` if absent,
+    :class:`NotABlock` if it is not a regular file (a link at the path included)."""
+    try:
+        fd = os.open(path, O_BLOCK_READ | extra_flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise NotABlock("a symbolic link, not a block file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotABlock(f"not a regular file (mode {st.st_mode:#o})")
+    return fd, st
+
+
+def open_dir(name: str, dir_fd: int | None = None) -> int:
+    """A directory opened for ``*at`` calls, never through a link."""
+    return os.open(name, _O_DIR, dir_fd=dir_fd)
+
+
+def unlink_in(root_fd: int, relative: str, inode: int | None = None) -> bool:
+    """Remove the file ``relative`` (``dir/.../name``) under the directory ``root_fd``,
+    walking each folder with ``O_NOFOLLOW``: a folder swapped for a link since it was
+    scanned redirects nothing.  ``inode``: only if the file is still that one.  Returns
+    whether it was removed."""
+    *folders, name = relative.split("/")
+    fds: list[int] = []
+    try:
+        at = root_fd
+        for folder in folders:
+            at = open_dir(folder, at)
+            fds.append(at)
+        if inode is not None and os.stat(name, dir_fd=at, follow_symlinks=False).st_ino != inode:
+            return False
+        os.unlink(name, dir_fd=at)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -84,12 +143,11 @@ def pread_into(fd: int, out: memoryview, offset: int) -> int:
 READ_PIECE = 2 << 20
 
 
-def read_hashing(fd: int, parts: Sequence[memoryview], offset: int) -> int:
-    """Fill ``parts`` in order from ``offset`` and return the xxh3-64 of what was read.
+def read_hashing(fd: int, parts: Sequence[memoryview], offset: int, hasher: Any) -> None:
+    """Fill ``parts`` in order from ``offset``, updating ``hasher`` with what is read.
 
     Reads go in pieces of at most ``READ_PIECE`` bytes (small parts together, large ones
     cut), each hashed after it is read."""
-    hasher = xxhash.xxh3_64()
     group: list[memoryview] = []
     size = 0
 
@@ -117,7 +175,6 @@ def read_hashing(fd: int, parts: Sequence[memoryview], offset: int) -> int:
             size += piece.nbytes
     if group:
         flush()
-    return hasher.intdigest()
 
 
 def fsync_dir(directory: str) -> None:

@@ -3,15 +3,24 @@
 Directory layout::
 
     PATH/ucm-store.json          marker: format and last configured capacity
+    PATH/usage, PATH/evicting    the count of what the store holds, and its locks (.usage)
+    PATH/writers/HOST~PID~RAND   a process writing blocks, locked (flock) while it lives
     PATH/blocks/ab/ab12...ef     a block: header page + payload (block_format), mode 0600
-    PATH/blocks/ab/.ab12...ef~HOST~PID~RAND.tmp   a block being written
+    PATH/blocks/ab/.ab12...ef~HOST~PID~RAND.tmp   a block being written by that process
 
-A scan lists the blocks (name, size, recency), the foreign files, and removes temporary
-files whose writer is dead (same host) or that are older than ``stale_temp_seconds``.
+A block's file name is its key in hex, or in a signed store the keyed name of its key
+(:meth:`ucm.core.signing.BlockSigner.name`).  A scan lists the blocks (name, size, recency),
+the foreign files, and removes temporary files whose writer is gone: one of this host
+whose writer's file in ``writers/`` is gone or no longer locked, or any older than
+``stale_temp_seconds``.  A lock, unlike a process id, means the same in every PID namespace
+of the host (containers sharing ``/dev/shm``), and the kernel drops it with its process.
+Scans never follow links, and every removal walks the folders with ``O_NOFOLLOW`` from the
+store's own descriptor.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -20,9 +29,24 @@ import socket
 import time
 
 import attrs
-from ucm.core.block_format import HEADER_BYTES, BlockFormatError, decode_header, verify_payload
+from ucm.core.block_format import (
+    HEADER_BYTES,
+    BlockFormatError,
+    SigningMismatch,
+    check_payload,
+    decode_header,
+    payload_hasher,
+)
+from ucm.core.signing import BlockSigner
 from ucm.core.store.posix.capacity import eviction_order
-from ucm.core.store.posix.fileio import O_CLOEXEC
+from ucm.core.store.posix.fileio import (
+    O_BLOCK_READ,
+    O_CLOEXEC,
+    open_block,
+    open_dir,
+    read_hashing,
+    unlink_in,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +69,7 @@ class BlockFile:
     path: str
     size: int
     mtime_ns: int
+    inode: int = 0
 
 
 @attrs.frozen
@@ -58,25 +83,76 @@ class ScanResult:
         return sum(b.size for b in self.blocks)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
+WRITERS_DIR = "writers"
+
+
+def register_writer(root_fd: int, host: str) -> tuple[str, int]:
+    """This process as a writer of the store ``root_fd``: its id (``HOST~PID~RAND``) and the
+    descriptor of its file in ``writers/``, locked until it is closed."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        os.mkdir(WRITERS_DIR, 0o700, dir_fd=root_fd)
+    except FileExistsError:
+        pass
+    writers = open_dir(WRITERS_DIR, root_fd)
+    try:
+        writer = f"{host}~{os.getpid()}~{secrets.token_hex(4)}"
+        # Locked before it is published under its name: a scan never finds it unlocked
+        # while its process lives.
+        tmp = f".{writer}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600, dir_fd=writers)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, writer, src_dir_fd=writers, dst_dir_fd=writers)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=writers)
+            raise
+        return writer, fd
+    finally:
+        os.close(writers)
+
+
+def unregister_writer(root_fd: int, writer: str, fd: int) -> None:
+    try:
+        unlink_in(root_fd, f"{WRITERS_DIR}/{writer}")
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def _writer_gone(writer: str, writers_fd: int | None) -> bool:
+    """Whether the process ``writer`` of this host no longer writes the store."""
+    if writers_fd is None:
         return True
+    try:
+        fd = os.open(writer, O_BLOCK_READ, dir_fd=writers_fd)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: the writer is alive (or locks are not supported here)
+    finally:
+        os.close(fd)
     return True
 
 
-def _temp_is_stale(name: str, mtime: float, now: float, host: str, stale_seconds: float) -> bool:
-    """A temporary file is stale when its writer is dead (same host) or it is too old."""
-    if now - mtime > stale_seconds:
+def _temp_is_stale(
+    name: str, age: float, host: str, stale_seconds: float, writers_fd: int | None
+) -> bool:
+    """A temporary file is stale when it is older than ``stale_seconds``, or when its writer
+    was a process of this host that is gone."""
+    if age > stale_seconds:
         return True
-    parts = name[1:].split("~")
-    if len(parts) == 4 and parts[1] == host and parts[2].isdigit():
-        return int(parts[2]) != os.getpid() and not pid_alive(int(parts[2]))
-    return False
+    parts = name[1:-4].split("~")  # block name, host, pid, random
+    return len(parts) == 4 and parts[1] == host and _writer_gone("~".join(parts[1:]), writers_fd)
+
+
+def block_relative(name: str) -> str:
+    """A block file's path within the store's folder."""
+    return f"{BLOCKS_DIR}/{name[:2]}/{name}"
 
 
 def scan_store(
@@ -84,89 +160,190 @@ def scan_store(
 ) -> ScanResult:
     """Every block file under ``root``; removes stale temporary files on the way (unless
     ``remove_temps`` is false: a read-only store)."""
-    blocks_dir = os.path.join(root, BLOCKS_DIR)
+    try:
+        root_fd = open_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return ScanResult([], [], 0)
+    try:
+        return _scan(root, root_fd, stale_temp_seconds, remove_temps)
+    finally:
+        os.close(root_fd)
+
+
+def _scan(root: str, root_fd: int, stale_temp_seconds: float, remove_temps: bool) -> ScanResult:
     blocks: list[BlockFile] = []
     foreign: list[str] = []
     removed = 0
     now = time.time()
     host = host_tag()
-    for entry in os.scandir(root) if os.path.isdir(root) else ():
+    for entry in os.scandir(root_fd):
         # a marker temp file of a writer killed mid-write
         if (
             remove_temps
             and entry.name.startswith(f".{MARKER}~")
-            and now - entry.stat().st_mtime > 60
+            and now - entry.stat(follow_symlinks=False).st_mtime > 60
         ):
             try:
-                os.unlink(entry.path)
+                os.unlink(entry.name, dir_fd=root_fd)
                 removed += 1
             except FileNotFoundError:
                 pass
+    blocks_path = os.path.join(root, BLOCKS_DIR)
     try:
-        subdirs = sorted(os.scandir(blocks_dir), key=lambda e: e.name)
-    except FileNotFoundError:
+        blocks_fd = open_dir(BLOCKS_DIR, root_fd)
+    except (FileNotFoundError, NotADirectoryError):
         return ScanResult([], [], 0)
-    for sub in subdirs:
-        if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
-            foreign.append(sub.path)
-            continue
-        try:
-            entries = list(os.scandir(sub.path))
-        except FileNotFoundError:
-            continue
-        for entry in entries:
-            name = entry.name
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # evicted or renamed meanwhile
-            if name.startswith(".") and name.endswith(".tmp"):
-                if remove_temps and _temp_is_stale(
-                    name, st.st_mtime, now, host, stale_temp_seconds
-                ):
-                    try:
-                        os.unlink(entry.path)
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
+    try:
+        writers_fd: int | None = open_dir(WRITERS_DIR, root_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        writers_fd = None
+    try:
+        if remove_temps and writers_fd is not None:
+            _remove_gone_writers(writers_fd, host)
+        subdirs = sorted(os.scandir(blocks_fd), key=lambda e: e.name)
+        for sub in subdirs:
+            sub_path = f"{blocks_path}/{sub.name}"
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                foreign.append(sub_path)
                 continue
-            if (
-                is_block_name(name)
-                and name[:2] == sub.name
-                and entry.is_file(follow_symlinks=False)
-            ):
-                blocks.append(BlockFile(name, entry.path, st.st_size, st.st_mtime_ns))
-            else:
-                foreign.append(entry.path)
+            try:
+                sub_fd = open_dir(sub.name, blocks_fd)
+            except FileNotFoundError:
+                continue
+            try:
+                removed += _scan_folder(
+                    sub_fd, sub.name, sub_path, blocks, foreign,
+                    now, host, stale_temp_seconds, remove_temps, writers_fd,
+                )  # fmt: skip
+            finally:
+                os.close(sub_fd)
+    finally:
+        os.close(blocks_fd)
+        if writers_fd is not None:
+            os.close(writers_fd)
     return ScanResult(blocks, foreign, removed)
 
 
-def verify_block_file(path: str) -> str | None:
-    """``None`` if the block file at ``path`` is whole and matches its name, else the problem."""
+def _remove_gone_writers(writers_fd: int, host: str) -> None:
+    """Remove the files of this host's writers that are gone."""
+    for entry in list(os.scandir(writers_fd)):
+        parts = entry.name.split("~")
+        if len(parts) == 3 and parts[0] == host and _writer_gone(entry.name, writers_fd):
+            try:
+                os.unlink(entry.name, dir_fd=writers_fd)
+            except FileNotFoundError:
+                pass
+
+
+def _scan_folder(
+    sub_fd: int,
+    sub_name: str,
+    sub_path: str,
+    blocks: list[BlockFile],
+    foreign: list[str],
+    now: float,
+    host: str,
+    stale_temp_seconds: float,
+    remove_temps: bool,
+    writers_fd: int | None,
+) -> int:
+    removed = 0
+    for entry in list(os.scandir(sub_fd)):
+        name = entry.name
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # evicted or renamed meanwhile
+        if name.startswith(".") and name.endswith(".tmp"):
+            if remove_temps and _temp_is_stale(
+                name, now - st.st_mtime, host, stale_temp_seconds, writers_fd
+            ):
+                try:
+                    os.unlink(name, dir_fd=sub_fd)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+            continue
+        path = f"{sub_path}/{name}"
+        if is_block_name(name) and name[:2] == sub_name and entry.is_file(follow_symlinks=False):
+            blocks.append(BlockFile(name, path, st.st_size, st.st_mtime_ns, st.st_ino))
+        else:
+            foreign.append(path)
+    return removed
+
+
+#: what :func:`verify_block_file` says of a signed block it was given no secret for
+NEEDS_SECRET = "signed: give the store's secret (--secret) to check it"
+
+
+def verify_block_file(path: str, signer: BlockSigner | None = None) -> str | None:
+    """``None`` if the block file at ``path`` is whole and matches its name, else the problem
+    (:data:`NEEDS_SECRET` for a signed block without ``signer``: not known to be bad).
+
+    Reads the header page, then the payload in pieces: never more than the header says,
+    never a buffer sized from the file."""
     name = os.path.basename(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        fd, st = open_block(path)
+    except BlockFormatError as exc:
+        return str(exc)
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
     try:
-        if len(data) < HEADER_BYTES:
+        page = os.pread(fd, HEADER_BYTES, 0)
+        if len(page) < HEADER_BYTES:
             raise BlockFormatError(
-                f"file truncated: {len(data)} bytes, header alone is {HEADER_BYTES}"
+                f"file truncated: {len(page)} bytes, header alone is {HEADER_BYTES}"
             )
-        header = decode_header(data[:HEADER_BYTES], expect_key=bytes.fromhex(name))
-        payload = memoryview(data)[HEADER_BYTES : HEADER_BYTES + header.payload_len]
-        verify_payload(header, payload)
+        try:
+            header = decode_header(page, signer=signer)
+        except SigningMismatch:
+            if signer is None:
+                return NEEDS_SECRET
+            raise
+        named = header.key if signer is None else signer.name(header.key)
+        if named.hex() != name:
+            raise BlockFormatError(f"header names key {header.key.hex()}, not this file's")
+        if st.st_size < HEADER_BYTES + header.payload_len:
+            raise BlockFormatError(f"file truncated: payload of {header.payload_len} bytes")
+        hasher = payload_hasher(header, signer)
+        piece = memoryview(bytearray(min(header.payload_len, 4 << 20)))
+        done = 0
+        while done < header.payload_len:
+            part = piece[: min(piece.nbytes, header.payload_len - done)]
+            read_hashing(fd, [part], HEADER_BYTES + done, hasher)
+            done += part.nbytes
+        check_payload(header, hasher)
     except BlockFormatError as exc:
         return str(exc)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    finally:
+        os.close(fd)
     return None
 
 
+#: a marker is a few dozen bytes; more is not one of ours
+_MARKER_MAX_BYTES = 4096
+
+
 def read_marker(root: str) -> dict[str, object]:
+    """The marker's settings, ``{}`` if it is missing or not a marker UCM wrote."""
     try:
-        with open(os.path.join(root, MARKER), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        fd, _ = open_block(os.path.join(root, MARKER))
+    except (OSError, BlockFormatError):
+        return {}
+    try:
+        text = os.read(fd, _MARKER_MAX_BYTES + 1)
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+    if len(text) > _MARKER_MAX_BYTES:
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -190,9 +367,14 @@ def write_marker(root: str, capacity_bytes: int | None) -> None:
 
 
 def evict_lru(
-    scan: ScanResult, target_bytes: int, *, skip: frozenset[str] | set[str] = frozenset()
+    scan: ScanResult,
+    target_bytes: int,
+    root_fd: int,
+    *,
+    skip: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[int, int]:
-    """Delete least recently used blocks until at most ``target_bytes`` remain.
+    """Delete least recently used blocks of the store ``root_fd`` (a descriptor of its
+    folder) until at most ``target_bytes`` remain.
 
     Returns (bytes remaining, blocks remaining)."""
     total = scan.bytes
@@ -201,9 +383,7 @@ def evict_lru(
         if total <= target_bytes:
             break
         try:
-            os.unlink(block.path)
-        except FileNotFoundError:
-            pass
+            unlink_in(root_fd, block_relative(block.name), block.inode or None)
         except OSError as exc:
             log.warning("ucm posix store: cannot evict %s: %s", block.path, exc.strerror)
             continue

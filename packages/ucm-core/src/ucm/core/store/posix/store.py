@@ -4,9 +4,14 @@ layout: :mod:`ucm.core.store.posix.layout`).
 Publishing is atomic: a writer fills a temporary file in the block's directory and renames
 it over the final name, so a reader sees either no file or a whole one; a reader killed or
 a writer killed at any moment leaves at worst a temporary file, which is removed once its
-writer is known dead (same host) or it is older than ``stale_temp_seconds``.  Every load
-checks the header and the payload checksum, so a torn block after a power loss, a foreign
-file or a flipped bit is a miss, never data.
+writer is known gone.  Every load checks the header and the payload checksum (or, in a
+signed store, its MAC: :mod:`ucm.core.signing`), so a torn block after a power loss, a
+foreign file or a flipped bit is a miss, never data.
+
+What is in the folder is not trusted: the folder is refused at start-up if another user
+can write it (:mod:`ucm.core.store.folder`); a block is opened without following a link or
+waiting on a FIFO, and read only if it is a regular file whose header names the key and the
+size asked for.
 
 The capacity policy (:mod:`.capacity`) decides when a dump must first evict and how far;
 this module scans the directory and deletes.  A block another process has open stays
@@ -18,7 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
+import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,12 +32,16 @@ from concurrent.futures import ThreadPoolExecutor
 from ucm.core.block_format import (
     HEADER_BYTES,
     BlockFormatError,
+    check_payload,
     decode_header,
     encode_header,
-    payload_checksum,
+    payload_hasher,
+    verify_payload,
 )
 from ucm.core.settings import ConfigError
+from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.folder import check_store_folder
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
 from ucm.core.store.posix.capacity import Capacity
 from ucm.core.store.posix.config import PosixStoreConfig
@@ -40,38 +49,61 @@ from ucm.core.store.posix.fileio import (
     O_CLOEXEC,
     O_DIRECT,
     Bounce,
+    NotABlock,
     fsync_dir,
+    open_block,
+    open_dir,
     pread_into,
     pwrite_all,
     read_hashing,
     round_up,
+    unlink_in,
 )
-from ucm.core.store.posix.layout import BLOCKS_DIR, evict_lru, host_tag, scan_store, write_marker
+from ucm.core.store.posix.layout import (
+    BLOCKS_DIR,
+    block_relative,
+    evict_lru,
+    host_tag,
+    register_writer,
+    scan_store,
+    unregister_writer,
+    write_marker,
+)
+from ucm.core.store.posix.usage import SharedUsage
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
 
 log = logging.getLogger(__name__)
+
+#: Seconds a dump that needs room waits for another process's eviction pass.
+EVICTION_WAIT_S = 10.0
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class PosixStore(Store):
     def __init__(self, config: PosixStoreConfig | None = None) -> None:
         self.config = config or PosixStoreConfig()
-        self.root = os.path.abspath(os.path.expanduser(self.config.path))
-        self._blocks_dir = os.path.join(self.root, BLOCKS_DIR)
+        self._signer = signer_for(self.config.secret)
+        path = os.path.abspath(os.path.expanduser(self.config.path))
         self._read_only = False
         try:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            os.makedirs(self._blocks_dir, mode=0o700, exist_ok=True)
-            write_marker(self.root, self.config.capacity_bytes)
+            os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as exc:
-            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not os.path.isdir(
-                self._blocks_dir
-            ):
+            if exc.errno not in _READ_ONLY_ERRNOS or not os.path.isdir(path):
                 raise OSError(
-                    exc.errno, f"cannot use {self.root!r} as a UCM store: {exc.strerror}"
+                    exc.errno, f"cannot use {path!r} as a UCM store: {exc.strerror}"
                 ) from None
             self._read_only = True
-        if not self._read_only and not os.access(self._blocks_dir, os.W_OK):
-            self._read_only = True  # e.g. a read-only mount where the marker was current
+        # Before a byte is read: a folder others can write is refused (ucm.core.store.folder).
+        self.root = check_store_folder(path, shared=self.config.shared)
+        self._root_fd = open_dir(self.root)
+        self._blocks_dir = os.path.join(self.root, BLOCKS_DIR)
+        self._usage: SharedUsage | None = None
+        self._writer: tuple[str, int] | None = None  # this process's id and lock as a writer
+        try:
+            self._prepare()
+        except BaseException:
+            os.close(self._root_fd)
+            raise
         if self._read_only:
             # A shared cache built elsewhere: serve hits from it, store nothing.
             log.warning(
@@ -82,23 +114,77 @@ class PosixStore(Store):
         self._host = host_tag()
         self._pool = ThreadPoolExecutor(self.config.io_thread_count, thread_name_prefix="ucm-posix")
         self._bounce = Bounce()
-        self._lock = threading.Lock()  # guards the capacity and the counters below
-        self._evict_lock = threading.Lock()  # one eviction pass at a time
+        self._lock = threading.Lock()  # guards the in-flight bytes and the counters below
         self._reading: Counter[str] = Counter()
+        self._scanned_usage = (0, 0)  # a read-only store's, from its first scan
+        # blocks this process published while the first scan ran: counted by their writer
         self._published_before_scan: set[str] = set()
         self._errors = 0
         self._closed = False
-        # The first scan (usage, stale temporary files) runs beside the engine's start-up;
-        # only a dump that needs the capacity check waits for it.
+        # The first scan (stale temporary files, the count checked against the disk) runs
+        # beside the engine's start-up; only a dump that needs a count no process has made
+        # yet waits for it.
         self._scanned = threading.Event()
-        threading.Thread(target=self._initial_scan, name="ucm-posix-scan", daemon=True).start()
+        self._counted = threading.Event()
+        if self._usage is not None and not self._usage.fresh:
+            self._counted.set()
+        # read before this process can publish a block: what it publishes from now on is
+        # in the count's change, not in what the scan finds (_published_before_scan)
+        before = self._usage.read() if self._usage is not None else (0, 0)
+        threading.Thread(
+            target=self._initial_scan, args=(before,), name="ucm-posix-scan", daemon=True
+        ).start()
+
+    def _prepare(self) -> None:
+        """The blocks folder, the marker and the shared count; a store that cannot be
+        written is read-only."""
+        if not self._read_only:
+            try:
+                try:
+                    os.mkdir(BLOCKS_DIR, 0o700, dir_fd=self._root_fd)
+                except FileExistsError:
+                    pass
+                write_marker(self.root, self.config.capacity_bytes)
+                self._usage = SharedUsage(self._root_fd)
+                self._writer = register_writer(self._root_fd, host_tag())
+            except OSError as exc:
+                if exc.errno not in _READ_ONLY_ERRNOS:
+                    raise OSError(
+                        exc.errno, f"cannot use {self.root!r} as a UCM store: {exc.strerror}"
+                    ) from None
+                self._read_only = True
+        if self._usage is not None and not os.access(self._blocks_dir, os.W_OK):
+            self._usage.close()  # e.g. a read-only mount where the marker was current
+            self._usage = None
+            self._read_only = True
+        try:
+            st = os.stat(BLOCKS_DIR, dir_fd=self._root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise ConfigError(
+                "store.path", f"{self.root} is not a UCM store and cannot be made one"
+            ) from None
+        if not stat.S_ISDIR(st.st_mode) or (
+            not self.config.shared and (st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022)
+        ):
+            raise ConfigError(
+                "store.path",
+                f"{self._blocks_dir} (owner uid {st.st_uid}, mode {st.st_mode:o}) is not a "
+                "folder that only you can write; remove it, or see docs/security.md",
+            )
+        self._read_only = self._read_only or self._usage is None
 
     # -- helpers --
 
-    def _path(self, key_hex: str) -> str:
-        return f"{self._blocks_dir}/{key_hex[:2]}/{key_hex}"
+    def _file_name(self, key: bytes) -> str:
+        """A block's file name: its key, keyed by the secret in a signed store."""
+        signer = self._signer
+        return (key if signer is None else signer.name(key)).hex()
 
-    def _initial_scan(self) -> None:
+    def _path(self, name: str) -> str:
+        return f"{self._blocks_dir}/{name[:2]}/{name}"
+
+    def _initial_scan(self, before: tuple[int, int]) -> None:
+        usage = self._usage
         try:
             scan = scan_store(
                 self.root,
@@ -107,21 +193,25 @@ class PosixStore(Store):
             )
             with self._lock:
                 early = self._published_before_scan
-                for block in scan.blocks:
-                    if block.name not in early:  # else already counted by its writer
-                        self._capacity.add(block.size)
+                counted = [b for b in scan.blocks if b.name not in early]
+            found = (sum(b.size for b in counted), len(counted))
+            if usage is None:
+                self._scanned_usage = found
+            elif usage.fresh:  # else the count stands (an eviction pass corrects it)
+                usage.resync(found, before)
             if scan.temps_removed:
                 log.info(
                     "ucm posix store %s: removed %d stale temporary files",
                     self.root,
                     scan.temps_removed,
                 )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: closed meanwhile
             log.warning("ucm posix store %s: initial scan failed: %s", self.root, exc)
         finally:
             with self._lock:
                 self._published_before_scan = set()
                 self._scanned.set()
+                self._counted.set()
 
     def _run(self, n: int, work: Callable[[Task, int], KeyResult]) -> Task:
         """Run ``work(task, index)`` for every index on the I/O threads."""
@@ -144,40 +234,64 @@ class PosixStore(Store):
 
     # -- capacity --
 
+    def _take(self, size: int, used: int | None = None) -> bool:
+        """Count ``size`` bytes in flight if they fit beside the store's count (read now
+        unless given)."""
+        assert self._usage is not None
+        if used is None:
+            used, _ = self._usage.read()
+        with self._lock:
+            return self._capacity.take(size, used)
+
     def _reserve(self, size: int) -> str | None:
         """Account ``size`` bytes about to be written; evict first if they would not fit."""
         capacity = self._capacity
         if capacity.limit is None:
             with self._lock:
-                capacity.take(size)
+                capacity.take(size, 0)
             return None
         refusal = capacity.refusal(size)
         if refusal:
             return refusal
-        self._scanned.wait()
-        with self._evict_lock:
-            with self._lock:
-                if capacity.take(size):
+        self._counted.wait()  # at once, unless no process has counted the store yet
+        if self._take(size):
+            return None
+        assert self._usage is not None
+        for _ in range(3):  # the room one pass makes may go to other writers first
+            with self._usage.eviction(EVICTION_WAIT_S) as mine:
+                if self._take(size):  # another pass made room meanwhile
                     return None
-            self._evict(size)
-            with self._lock:
-                if capacity.take(size):
+                if not mine:
+                    return (
+                        f"store is full and another process's eviction took over "
+                        f"{EVICTION_WAIT_S} s"
+                    )
+                if self._take(size, self._evict(size)):
                     return None
-            return "store is full: every block is being read or written"
+        return "store is full: every block is being read or written"
 
-    def _evict(self, size: int) -> None:
-        """Delete least recently used blocks to make room for ``size`` bytes."""
+    def _evict(self, size: int) -> int:
+        """Delete least recently used blocks to make room for ``size`` bytes; returns the
+        bytes the store then holds."""
+        assert self._usage is not None
+        before = self._usage.read()
         scan = scan_store(self.root, stale_temp_seconds=self.config.stale_temp_seconds)
         with self._lock:
             reading = set(self._reading)
             target = self._capacity.eviction_target(size)
-        remaining, count = evict_lru(scan, target, skip=reading)
-        with self._lock:
-            self._capacity.counted(remaining, count)
+        remaining = evict_lru(scan, target, self._root_fd, skip=reading)
+        removed = (scan.bytes - remaining[0], len(scan.blocks) - remaining[1])
+        return self._usage.resync(remaining, before, removed)[0]
 
-    def _release(self, size: int, published: bool) -> None:
+    def _release(self, size: int) -> None:
         with self._lock:
-            self._capacity.finished(size, published)
+            self._capacity.finished(size)
+
+    def _uncount(self, size: int) -> None:
+        """A block of ``size`` bytes on disk was removed (counted after: a process killed in
+        between leaves the count high, never low)."""
+        if self._usage is not None:
+            self._usage.add(-size, -1)
 
     # -- dump --
 
@@ -195,9 +309,9 @@ class PosixStore(Store):
         )
 
     def _dump_one(self, task: Task, key: bytes, payload: Payload, layout: bytes) -> KeyResult:
-        key_hex = key.hex()
-        final = self._path(key_hex)
-        if os.path.isfile(final):
+        name = self._file_name(key)
+        final = self._path(name)
+        if self._present(final):
             return OK  # content-addressed: the same key holds the same bytes
         size = HEADER_BYTES + payload.nbytes
         if self._direct:
@@ -207,14 +321,13 @@ class PosixStore(Store):
             self._count_error()
             return KeyResult(Status.ERROR, problem)
         directory = os.path.dirname(final)
-        tmp = os.path.join(
-            directory, f".{key_hex}~{self._host}~{os.getpid()}~{secrets.token_hex(4)}.tmp"
-        )
+        assert self._writer is not None  # a store that can be written has one
+        tmp = os.path.join(directory, f".{name}~{self._writer[0]}.tmp")
         published = False
         fd = -1
         try:
             parts = payload.parts  # taken once: a deferred payload makes them on each take
-            header = encode_header(key, parts, layout)
+            header = encode_header(key, parts, layout, self._signer)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC
             if self._direct:
                 flags |= O_DIRECT
@@ -235,36 +348,49 @@ class PosixStore(Store):
                 pwrite_all(fd, [memoryview(header), *parts])
             if self.config.fsync != "never":
                 os.fsync(fd)
-            os.close(fd)
-            fd = -1
             if task.cancelled:
                 # The caller may have taken its buffers back while they were being written:
                 # what the file holds is not known to be the payload.
                 os.unlink(tmp)
                 return CANCELLED
             with self._lock:
-                # Before the rename: an initial scan that sees the file must know that
-                # this writer counts it (after the rename would leave a window to count
-                # it twice).
+                # Before the rename: a first scan that sees the file must know that this
+                # writer counts it (after the rename would leave a window to count it twice).
                 if not self._scanned.is_set():
-                    self._published_before_scan.add(key_hex)
-            os.rename(tmp, final)
+                    self._published_before_scan.add(name)
+            # Counted before it is published: a writer killed in between leaves the count
+            # high, never low, and every scan brings a high count down (usage.resync).
+            assert self._usage is not None
+            self._usage.add(size, 1)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                self._usage.add(-size, -1)
+                raise
             published = True
             if self.config.fsync == "full":
                 fsync_dir(directory)
             return OK
         except OSError as exc:
             self._count_error()
-            if fd >= 0:
-                os.close(fd)
             if not published:
                 try:
                     os.unlink(tmp)
                 except OSError:
                     pass
-            return KeyResult(Status.ERROR, f"cannot write block {key_hex}: {exc.strerror or exc}")
+            return KeyResult(Status.ERROR, f"cannot write block {name}: {exc.strerror or exc}")
         finally:
-            self._release(size, published)
+            if fd >= 0:
+                os.close(fd)
+            self._release(size)
+
+    @staticmethod
+    def _present(path: str) -> bool:
+        """Whether a block file is at ``path`` (a link or anything else there is not one)."""
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except OSError:
+            return False
 
     # -- load --
 
@@ -276,60 +402,66 @@ class PosixStore(Store):
         )
 
     def _load_one(self, key: bytes, out: Payload, layout: bytes) -> KeyResult:
-        key_hex = key.hex()
-        path = self._path(key_hex)
-        flags = os.O_RDONLY | O_CLOEXEC | (O_DIRECT if self._direct else 0)
+        """Read one block into ``out``.  Nothing read from the file sizes an allocation or a
+        read: the header page comes first, the payload is read only if the header names the
+        key and the size asked for, and reads go into ``out`` (or a bounce buffer of its
+        size)."""
+        name = self._file_name(key)
+        path = self._path(name)
         try:
-            fd = os.open(path, flags)
+            fd, st = open_block(path, O_DIRECT if self._direct else 0)
         except FileNotFoundError:
             return MISS
+        except NotABlock as exc:
+            self._count_error()
+            self._discard(name, None)
+            log.warning("ucm posix store: block %s is %s; removed", name, exc)
+            return KeyResult(Status.CORRUPT, str(exc))
         except OSError as exc:
             self._count_error()
-            return KeyResult(Status.ERROR, f"cannot open block {key_hex}: {exc.strerror}")
+            return KeyResult(Status.ERROR, f"cannot open block {name}: {exc.strerror}")
         with self._lock:
-            self._reading[key_hex] += 1
-        inode = None
+            self._reading[name] += 1
         try:
-            st = os.fstat(fd)
-            inode = st.st_ino
-            if st.st_size < HEADER_BYTES:
-                raise BlockFormatError(f"file truncated: {st.st_size} bytes")
+            wanted = HEADER_BYTES + out.nbytes
             if self._direct:
-                buf = self._bounce.get(st.st_size)
-                view = memoryview(buf)
-                got = pread_into(fd, view[: round_up(st.st_size)], 0)
-                header = decode_header(view[:HEADER_BYTES], expect_key=key)
-                problem = _size_problem(header.payload_len, out.nbytes, got)
-                if problem:
-                    return self._size_mismatch(problem, header.payload_len, out.nbytes)
-                stored = view[HEADER_BYTES : HEADER_BYTES + header.payload_len]
-                checksum = payload_checksum(stored)  # of the bounce buffer: one contiguous run
-                if checksum == header.payload_checksum:
-                    fill_parts(out.parts, stored)
-            elif st.st_size == HEADER_BYTES + out.nbytes:
-                # The common case: the payload goes straight into ``out`` and is hashed
-                # chunk by chunk while each chunk is still in the CPU cache.
-                page = self._bounce.page()
-                if os.preadv(fd, [page], 0) < HEADER_BYTES:
-                    raise BlockFormatError("file shrank while being read")
-                header = decode_header(page, expect_key=key)
-                if header.payload_len != out.nbytes:
-                    return self._size_mismatch("size", header.payload_len, out.nbytes)
-                checksum = read_hashing(fd, out.parts, HEADER_BYTES)
+                view = memoryview(self._bounce.get(round_up(wanted)))
+                page = view[:HEADER_BYTES]
+                got = pread_into(fd, page, 0)
             else:
-                header = decode_header(os.pread(fd, HEADER_BYTES, 0), expect_key=key)
-                problem = _size_problem(header.payload_len, out.nbytes, st.st_size)
-                if problem:
-                    return self._size_mismatch(problem, header.payload_len, out.nbytes)
-                checksum = read_hashing(fd, out.parts, HEADER_BYTES)
+                page = memoryview(self._bounce.page())
+                got = os.preadv(fd, [page], 0)
+            if got < HEADER_BYTES:
+                raise BlockFormatError(f"file truncated: {got} bytes")
+            header = decode_header(page, expect_key=key, signer=self._signer)
+            if header.payload_len != out.nbytes:  # the caller's mistake: the block is fine
+                self._count_error()
+                return KeyResult(
+                    Status.ERROR,
+                    f"buffer is {out.nbytes} bytes but the stored block holds {header.payload_len}",
+                )
+            if st.st_size < wanted:
+                raise BlockFormatError(f"file truncated: payload of {out.nbytes} bytes incomplete")
+            if self._direct:
+                stored = view[HEADER_BYTES:wanted]
+                if pread_into(fd, view[HEADER_BYTES : round_up(wanted)], HEADER_BYTES) < (
+                    out.nbytes
+                ):
+                    raise BlockFormatError("file shrank while being read")
+                verify_payload(header, stored, self._signer)  # of one contiguous run
+                fill_parts(out.parts, stored)
+            else:
+                # The payload goes straight into ``out``, hashed piece by piece while each
+                # piece is still in the CPU cache.
+                hasher = payload_hasher(header, self._signer)
+                read_hashing(fd, out.parts, HEADER_BYTES, hasher)
+                check_payload(header, hasher)
             if header.layout != layout:  # the caller's mistake: the block itself is fine
                 self._count_error()
                 return KeyResult(
                     Status.ERROR,
                     f"stored block has layout {header.layout!r}, asked for {layout!r}",
                 )
-            if checksum != header.payload_checksum:
-                raise BlockFormatError("payload checksum mismatch")
             try:
                 os.utime(fd)  # recency for the LRU, visible to every process
             except OSError:
@@ -337,37 +469,31 @@ class PosixStore(Store):
             return OK
         except BlockFormatError as exc:
             self._count_error()
-            self._discard(path, inode)
-            log.warning("ucm posix store: block %s is corrupt (%s); removed", key_hex, exc)
+            self._discard(name, st.st_ino)
+            log.warning("ucm posix store: block %s is corrupt (%s); removed", name, exc)
             return KeyResult(Status.CORRUPT, str(exc))
         except OSError as exc:
             self._count_error()
-            return KeyResult(Status.ERROR, f"cannot read block {key_hex}: {exc.strerror}")
+            return KeyResult(Status.ERROR, f"cannot read block {name}: {exc.strerror}")
         finally:
             os.close(fd)
             with self._lock:
-                self._reading[key_hex] -= 1
-                if not self._reading[key_hex]:
-                    del self._reading[key_hex]
+                self._reading[name] -= 1
+                if not self._reading[name]:
+                    del self._reading[name]
 
-    def _size_mismatch(self, problem: str, stored: int, wanted: int) -> KeyResult:
-        if problem == "truncated":
-            raise BlockFormatError(f"file truncated: payload of {stored} bytes incomplete")
-        self._count_error()
-        return KeyResult(
-            Status.ERROR, f"buffer is {wanted} bytes but the stored block holds {stored}"
-        )
-
-    def _discard(self, path: str, inode: int | None) -> None:
-        """Remove a corrupt block, unless a writer has replaced it with a new file meanwhile."""
+    def _discard(self, name: str, inode: int | None) -> None:
+        """Remove a bad file at a block's name, unless a writer has replaced it with a new
+        one meanwhile (``inode``: the file found bad)."""
+        if self._read_only:
+            return
         try:
-            st = os.stat(path)
-            if inode is None or st.st_ino == inode:
-                os.unlink(path)
+            size = os.stat(block_relative(name), dir_fd=self._root_fd, follow_symlinks=False)
+            # a file that was not a block (inode None) was never counted
+            if unlink_in(self._root_fd, block_relative(name), inode) and inode is not None:
+                self._uncount(size.st_size)
         except OSError:
             return
-        with self._lock:
-            self._capacity.remove(st.st_size)
 
     def _count_error(self) -> None:
         with self._lock:
@@ -376,12 +502,7 @@ class PosixStore(Store):
     # -- the rest --
 
     def _exists(self, key: bytes) -> bool:
-        h = key.hex()
-        try:
-            os.stat(f"{self._blocks_dir}/{h[:2]}/{h}")
-        except OSError:
-            return False
-        return True
+        return self._present(self._path(self._file_name(key)))
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         check_keys(keys)
@@ -398,22 +519,21 @@ class PosixStore(Store):
         check_keys(keys)
         removed = 0
         for key in keys:
-            path = self._path(bytes(key).hex())
+            relative = block_relative(self._file_name(bytes(key)))
             try:
-                size = os.stat(path).st_size
-                os.unlink(path)
+                st = os.stat(relative, dir_fd=self._root_fd, follow_symlinks=False)
+                if not unlink_in(self._root_fd, relative, st.st_ino):
+                    continue
             except FileNotFoundError:
                 continue
             removed += 1
-            with self._lock:
-                self._capacity.remove(size)
+            self._uncount(st.st_size)
         return removed
 
     def usage(self) -> StoreUsage:
         self._scanned.wait()
-        with self._lock:
-            capacity = self._capacity
-            return StoreUsage(capacity.used_blocks, capacity.used_bytes, capacity.limit)
+        used, blocks = self._usage.read() if self._usage is not None else self._scanned_usage
+        return StoreUsage(blocks, used, self._capacity.limit)
 
     @property
     def errors(self) -> int:
@@ -431,11 +551,9 @@ class PosixStore(Store):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
-
-
-def _size_problem(stored: int, wanted: int, available: int) -> str | None:
-    if stored != wanted:
-        return "size"
-    if available < HEADER_BYTES + stored:
-        return "truncated"
-    return None
+            self._scanned.wait(5.0)  # a first scan still running finds the count closed
+            if self._usage is not None:
+                self._usage.close()
+            if self._writer is not None:
+                unregister_writer(self._root_fd, *self._writer)
+            os.close(self._root_fd)

@@ -1,0 +1,147 @@
+"""What a posix store holds, counted once for every process that uses it.
+
+Each process counting only what it wrote let four processes on a 4 MiB store hold 16 MiB:
+on ``/dev/shm`` that is memory NCCL and the engines' queues need.  So the count lives in the
+store, in the file ``PATH/usage`` (bytes and blocks published, two little-endian int64),
+read and changed under a POSIX record lock: a lock the kernel drops with its process, so a
+process killed at any moment leaves no lock held.  Reads and writes go through the file
+(never a shared mapping): on a shared mount, taking the lock is what makes another host's
+last write visible.
+
+The count drifts only by what a process killed between publishing a block and counting it
+leaves out, or by files removed by hand.  Every eviction pass, which scans the directory
+anyway, sets it from what it found (:meth:`SharedUsage.resync`); the byte at offset 16 of
+the same file is the lock that lets one pass run at a time across processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ucm.core.store.posix.fileio import O_CLOEXEC
+
+USAGE_FILE = "usage"
+EVICTING_FILE = "evicting"
+_COUNT = struct.Struct("<qq")
+_FLAGS = os.O_RDWR | os.O_CREAT | O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+
+class SharedUsage:
+    """The shared count of one store (opened in the store's folder ``root_fd``)."""
+
+    def __init__(self, root_fd: int) -> None:
+        self._fd = os.open(USAGE_FILE, _FLAGS, 0o600, dir_fd=root_fd)
+        try:
+            self._evicting = os.open(EVICTING_FILE, _FLAGS, 0o600, dir_fd=root_fd)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        # flock excludes other open files, not this process's threads
+        self._thread_lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        with self._locked():
+            #: whether no process has counted the store yet (a new file, or one cut short)
+            self.fresh = os.fstat(self._fd).st_size < _COUNT.size
+            if self.fresh:
+                os.pwrite(self._fd, _COUNT.pack(0, 0), 0)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        # Held for a read and a write of 16 bytes: microseconds, so a plain wait.
+        with self._thread_lock:
+            if self._fd < 0:
+                raise ValueError("the store's usage count is closed")
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _read(self) -> tuple[int, int]:
+        data = os.pread(self._fd, _COUNT.size, 0)
+        if len(data) < _COUNT.size:
+            return 0, 0
+        used, blocks = _COUNT.unpack(data)
+        return max(0, used), max(0, blocks)
+
+    def read(self) -> tuple[int, int]:
+        """(bytes, blocks) the store holds."""
+        with self._locked():
+            return self._read()
+
+    def add(self, nbytes: int, blocks: int) -> tuple[int, int]:
+        """Count ``nbytes`` in ``blocks`` more (negative: fewer); returns the new count."""
+        with self._locked():
+            used, count = self._read()
+            new = (max(0, used + nbytes), max(0, count + blocks))
+            os.pwrite(self._fd, _COUNT.pack(*new), 0)
+            return new
+
+    def resync(
+        self,
+        found: tuple[int, int],
+        before: tuple[int, int],
+        removed: tuple[int, int] | None = None,
+    ) -> tuple[int, int]:
+        """Set the count from a scan: ``found`` on disk (after the pass's own removals), plus
+        what other processes changed since ``before`` was read (when the scan began).
+
+        That overcounts blocks published while the scan ran and also seen by it, so after
+        an eviction pass that ``removed`` (bytes, blocks) the count is the smaller of it and
+        the count less what was removed: exact unless the count had drifted up (files
+        removed by hand), which the scan then corrects."""
+        with self._locked():
+            now = self._read()
+            new = (
+                max(0, found[0] + now[0] - before[0]),
+                max(0, found[1] + now[1] - before[1]),
+            )
+            if removed is not None:
+                new = (
+                    max(0, min(new[0], now[0] - removed[0])),
+                    max(0, min(new[1], now[1] - removed[1])),
+                )
+            os.pwrite(self._fd, _COUNT.pack(*new), 0)
+            self.fresh = False
+            return new
+
+    @contextmanager
+    def eviction(self, timeout: float) -> Iterator[bool]:
+        """The right to run an eviction pass, waited for up to ``timeout`` seconds (another
+        process's pass makes room too); yields whether it was had."""
+        deadline = time.monotonic() + timeout
+        if not self._evict_lock.acquire(timeout=timeout):
+            yield False
+            return
+        try:
+            while True:
+                try:
+                    fcntl.flock(self._evicting, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() >= deadline:
+                        yield False
+                        return
+                    time.sleep(0.005)
+            try:
+                yield True
+            finally:
+                fcntl.flock(self._evicting, fcntl.LOCK_UN)
+        finally:
+            self._evict_lock.release()
+
+    def close(self) -> None:
+        with self._thread_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                os.close(self._evicting)
+                self._fd = -1
