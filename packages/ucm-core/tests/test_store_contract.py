@@ -1,5 +1,6 @@
 """The promises every store kind keeps (base.Store): one suite over posix, dram (shared
-memory, and one process's memory), tiered, mooncake, and tiered stores over mooncake."""
+memory, and one process's memory), tiered, mooncake, and tiered stores over mooncake, and
+the stores that sign their blocks with a secret."""
 
 import threading
 
@@ -14,17 +15,24 @@ from ucm.lab.testing.core import blob, key, mooncake_config
 
 KINDS = [
     "posix",
+    "posix-signed",
     "dram",
+    "dram-signed",
     "dram-process",
     "tiered",
     *(
         pytest.param(kind, marks=pytest.mark.mooncake)
-        for kind in ("mooncake", "tiered-mooncake", "posix-over-mooncake")
+        for kind in ("mooncake", "mooncake-signed", "tiered-mooncake", "posix-over-mooncake")
     ),
 ]
+SECRET = "env:UCM_CONTRACT_SECRET"
 
 
 def store_config(kind, tmp_path, request, **posix):
+    if kind.endswith("-signed"):
+        request.getfixturevalue("monkeypatch").setenv(SECRET[4:], "contract-test-secret-0123456789")
+        unsigned = store_config(kind.removesuffix("-signed"), tmp_path, request, **posix)
+        return attrs.evolve(unsigned, secret=SECRET)
     if kind == "posix":
         return PosixStoreConfig(path=str(tmp_path / "p"), **posix)
     if kind == "dram":
@@ -192,7 +200,7 @@ def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, re
         "mooncake": "store.global_segment_gb",
         "tiered-mooncake": "store.dram.capacity_gb",
         "posix-over-mooncake": "store.local.capacity_gb",
-    }[kind]
+    }[kind.removesuffix("-signed")]
     if kind == "posix-over-mooncake":
         local = PosixStoreConfig(path=config.local.path, **small["posix"])
         config = TieredStoreConfig(local=local, backing=config.backing)
@@ -200,7 +208,7 @@ def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, re
         dram = attrs.evolve(config.dram, **small["dram"])
         config = TieredStoreConfig(dram=dram, backing=config.backing)
     else:
-        config = attrs.evolve(config, **small[kind])
+        config = attrs.evolve(config, **small[kind.removesuffix("-signed")])
     store = create_store(config)
     try:
         store.check_block_bytes(1 << 20)  # fits

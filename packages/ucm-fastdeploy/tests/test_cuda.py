@@ -27,6 +27,7 @@ def _store(path: str, heads: int = HEADS, dim: int = DIM, **kwargs) -> Attention
         bytes_per_shard_layer_per_block=per_layer,
         ucm_config=ucm_config,
         environ={},
+        model_version="test-model",
         **kwargs,
     )
 

@@ -3,7 +3,10 @@ replicas and roles of one model and shard share them."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from ucm.core.settings import ConfigError
 from ucm.lab.testing.fastdeploy import (
     BLOCK,
     make_store,
@@ -46,16 +49,46 @@ def test_tensor_parallel_shards_keep_their_own_blocks(store_path):
     "other",
     [
         {"namespace": "another-model"},
-        {"model_version": "v1"},
+        {"model_version": "v2"},
         {"layer_num": 2},
         {"block_token_size": 8},
         {"bytes_per_shard_layer_per_block": 256},
     ],
 )
 def test_namespaces_versions_and_shapes_are_apart(store_path, other):
-    _write(store_path, namespace="model-a", model_version="v0")
-    with make_store(store_path, **{"namespace": "model-a", "model_version": "v0", **other}) as fd:
+    _write(store_path, namespace="model-a", model_version="v1")
+    with make_store(store_path, **{"namespace": "model-a", "model_version": "v1", **other}) as fd:
         assert fd.query("q", PROMPT, 0) == 0
+
+
+def test_a_model_is_never_named_by_the_default_version_alone(store_path):
+    with pytest.raises(ConfigError, match="model_path") as caught:
+        make_store(store_path, model_version="v0")
+    assert caught.value.key == "model_version"
+
+
+def _model(folder, seed: int, config: str = '{"hidden_size": 64}'):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(config)
+    (folder / "model.safetensors").write_bytes(random.Random(seed).randbytes(8192))
+    return str(folder)
+
+
+def test_model_path_names_the_model_by_its_content(store_path, tmp_path):
+    """Two fine-tunes with the same cache shape and the same operator strings (even the
+    default version) exchange no blocks; the same files at another path share them."""
+    a = _model(tmp_path / "a", 1)
+    _write(store_path, model_version="v0", ucm_config={"model_path": a})
+    same = _model(tmp_path / "copy-of-a", 1)
+    with make_store(store_path, model_version="v0", ucm_config={"model_path": same}) as fd:
+        assert fd.query("q", PROMPT, 0) == 4
+    for other in (_model(tmp_path / "b", 2), _model(tmp_path / "c", 1, '{"hidden_size": 65}')):
+        with make_store(store_path, model_version="v0", ucm_config={"model_path": other}) as fd:
+            assert fd.query("q", PROMPT, 0) == 0
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json and no weight files") as caught:
+        make_store(store_path, ucm_config={"model_path": str(tmp_path / "empty")})
+    assert caught.value.key == "ucm_config.model_path"
 
 
 def test_namespace_and_version_are_not_mixed_up(store_path):

@@ -355,11 +355,14 @@ def test_lora_requests_hit_their_own_adapters_blocks_only(harness, tmp_path):
         req = h.make_request(tokens, lora_request=lora)
         hits[name] = h.connector.get_num_new_matched_tokens(req, 0)[0]
     assert hits == {"a": 512, "b": 0, "base": 0}
-    # the same adapter name with other weights is another adapter
+    # the same adapter name with other weights is another adapter, in a new engine ...
     (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"retrained" * 500)
     h2 = harness(max_num_batched_tokens=1024)
     req = h2.make_request(tokens, lora_request=a)
     assert h2.connector.get_num_new_matched_tokens(req, 0)[0] == 0
+    # ... and in the engine that served the old weights, reloaded under the same name
+    req = h.make_request(tokens, lora_request=a)
+    assert h.connector.get_num_new_matched_tokens(req, 0)[0] == 0
 
 
 def test_lora_request_loads_and_dumps_in_the_engine(harness, tmp_path):

@@ -116,6 +116,30 @@ def weights_digest(
     return whole.hexdigest()
 
 
+def model_digest(
+    path: str | os.PathLike[str],
+    mode: str = "sampled",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> str:
+    """What names the model in a folder: ``config:<digest>|weights:<digest>``, from its
+    ``config.json`` and its weight files.  ``ValueError`` when the folder has neither."""
+    parts = []
+    config = Path(path, "config.json")
+    if config.is_file():
+        try:
+            parts.append("config:" + config_digest(json.loads(config.read_text())))
+        except ValueError as exc:
+            raise ValueError(f"{config} is not valid JSON: {exc}") from None
+    weights = weights_digest(path, mode, cache_dir)
+    if weights is not None:
+        parts.append("weights:" + weights)
+    if not parts:
+        raise ValueError(
+            f"{path} holds no config.json and no weight files ({', '.join(WEIGHT_SUFFIXES)})"
+        )
+    return "|".join(parts)
+
+
 def file_digest(file: Path, mode: str) -> str:
     """The digest of one weight file, computed (see :func:`weights_digest` for the cache)."""
     blob = _hub_blob(file)

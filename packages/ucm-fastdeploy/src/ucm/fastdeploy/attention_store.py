@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from ucm.core.model_identity import model_digest
 from ucm.core.settings import ConfigError
 from ucm.core.slicing import write_sliced
 from ucm.core.store import Store, create_store
@@ -109,6 +110,28 @@ def _fastdeploy_env(fields: dict[str, Any], environ: Mapping[str, str]) -> dict[
     return fields
 
 
+#: FastDeploy's default model_version: it names no model
+DEFAULT_MODEL_VERSION = "v0"
+
+
+def _model_digest(settings: FastDeployConfig, model_version: str) -> str:
+    """What names the model's content in keys ("" where model_version alone names it)."""
+    if settings.model_path is not None:
+        try:
+            return model_digest(settings.model_path, settings.weights_digest)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("ucm_config.model_path", str(exc)) from None
+    if model_version == DEFAULT_MODEL_VERSION:
+        raise ConfigError(
+            "model_version",
+            f"is FastDeploy's default {DEFAULT_MODEL_VERSION!r}, which names no model: two "
+            "models with the same cache shape would exchange KV blocks. Set ucm_config "
+            "model_path to the model's folder (its config and weights then name it), or "
+            "AS_MODEL_VERSION to a name of these exact weights",
+        )
+    return ""
+
+
 class AttentionStore:
     """FastDeploy's AttentionStore contract backed by a UCM store (see the module docstring).
 
@@ -166,6 +189,7 @@ class AttentionStore:
             c.layer_num,
             c.block_token_size,
             c.bytes_per_shard_layer_per_block,
+            _model_digest(self.settings, c.model_version),
         )
         self._owns_store = store is None
         self.store = create_store(self.settings.store) if store is None else store

@@ -21,11 +21,15 @@ from typing import Any
 
 import attrs
 from ucm.core.config import StoreConfig, store_setting
+from ucm.core.model_identity import DIGEST_MODES
 from ucm.core.settings import (
     ConfigError,
     boolean,
     from_dict,
     int_in_range,
+    non_empty_str,
+    one_of,
+    optional,
     positive_number,
     setting,
     with_config_file,
@@ -62,6 +66,21 @@ class FastDeployConfig:
     """Settings of ``ucm.fastdeploy.AttentionStore`` and ``UCMStorage`` (``ucm_config``)."""
 
     store: StoreConfig = store_setting()
+    model_path: str | None = setting(
+        "The folder of the model FastDeploy serves: the digests of its config.json and its "
+        "weights name the model in every key (as vLLM's connector does), so two models, "
+        "or new weights at an old path, never share blocks. null: the model is named by "
+        "model_version (AS_MODEL_VERSION) alone, which must then be set to a name of these "
+        "exact weights.",
+        default=None,
+        validator=optional(non_empty_str),
+    )
+    weights_digest: str = setting(
+        "How model_path's weight files are read for their digest: 'sampled' (size, "
+        "safetensors header and 64 pieces of each file) or 'full' (every byte).",
+        default="sampled",
+        validator=one_of(*DIGEST_MODES),
+    )
     slice_write: SliceWritePolicy = setting(
         "How AttentionStore.write splits long writes; the variables AS_WRITE_SLICE_BLOCK_NUM, "
         "AS_WRITE_SLICE_TIMEOUT and AS_WRITE_TOTAL_TIMEOUT override these.",

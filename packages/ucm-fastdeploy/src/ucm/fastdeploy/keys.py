@@ -1,7 +1,8 @@
 """Store keys for FastDeploy's blocks, from ucm.core.keys.
 
 One chain of prefix digests over the token ids names every block of a prompt for the model
-(``namespace`` and ``model_version``); each tensor-parallel shard then scopes the chain to
+(``namespace``, ``model_version`` and, where ``model_path`` is configured, the digests of
+the model's configuration and weights); each tensor-parallel shard then scopes the chain to
 its own keys, with the shape of what it stores (layer count, block size, bytes per layer and
 block) in the scope.  So two shards, two model versions, two namespaces or two cache shapes
 never share a key, while every pod, data-parallel replica, prefill or decode instance and
@@ -31,11 +32,13 @@ class KeySpace:
     layer_num: int
     block_token_size: int
     bytes_per_shard_layer_per_block: int
+    model_digest: str = ""  # the content of the model's files (config, weights), when known
 
     @property
     def model(self) -> str:
-        # JSON keeps the two names apart: ("a/b", "c") and ("a", "b/c") differ.
-        return json.dumps([self.namespace, self.model_version])
+        # JSON keeps the names apart: ("a/b", "c") and ("a", "b/c") differ.
+        names = [self.namespace, self.model_version]
+        return json.dumps([*names, self.model_digest] if self.model_digest else names)
 
     def chain_seed(self) -> bytes:
         """The digest the token chain starts from: the model, not the shard."""

@@ -147,6 +147,24 @@ def adapter_identity(lora_request: object, mode: str) -> str:
     return f"{name}|weights:{digest}"
 
 
+def adapter_files(lora_request: object) -> tuple[tuple[str, int, int, int, int], ...]:
+    """What changes when an adapter's files do: the name, size, inode, modification and
+    change time of each file in its folder (one ``scandir``: cheap enough per request).
+    Empty where the adapter has no local folder."""
+    path = str(getattr(lora_request, "lora_path", "") or "")
+    if not path or not os.path.isdir(path):
+        return ()
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        found = []
+        for entry in entries:
+            st = entry.stat()
+            found.append((entry.name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+    except OSError:
+        return ()
+    return tuple(found)
+
+
 def _weights_identity(vllm_config: object, mode: str) -> str:
     mc = vllm_config.model_config  # type: ignore[attr-defined]
     load_format = str(getattr(vllm_config.load_config, "load_format", ""))  # type: ignore[attr-defined]

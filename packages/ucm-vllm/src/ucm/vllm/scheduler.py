@@ -16,7 +16,7 @@ from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundarie
 from ucm.core.hybrid_store import plan_dump
 from ucm.core.keys import block_keys, placed_extras, scoped_keys
 from ucm.vllm.counters import Counters
-from ucm.vllm.layout import ModelLayout, adapter_identity
+from ucm.vllm.layout import ModelLayout, adapter_files, adapter_identity
 from ucm.vllm.metadata import UCMConnectorMetadata
 from ucm.vllm.stores import ConnectorStores
 from ucm.vllm.transfers import NULL_BLOCK, Item, Transfer
@@ -58,7 +58,8 @@ class SchedulerSide:
     ) -> None:
         self.layout = layout
         self.weights_digest = weights_digest
-        self.adapters: dict[tuple[str, str | None], str] = {}  # LoRA adapter identities
+        # LoRA adapter identities, with the state of the files they were computed from
+        self.adapters: dict[tuple[str, str | None], tuple[tuple[Any, ...], str]] = {}
         self.stores = stores
         self.load_threshold = load_threshold
         self.sync_loads = sync_loads
@@ -78,15 +79,18 @@ class SchedulerSide:
         return getattr(request, "prompt_embeds", None) is None and bool(request.prompt_token_ids)
 
     def _adapter(self, request: Any) -> str:
-        """The identity of the request's LoRA adapter ("" without one), computed once."""
+        """The identity of the request's LoRA adapter ("" without one), computed again
+        only when its files changed (an adapter retrained at the same path and reloaded
+        under the same name names other blocks)."""
         lora = getattr(request, "lora_request", None)
         if lora is None:
             return ""
         cache_key = (lora.lora_name, getattr(lora, "lora_path", None))
+        files = adapter_files(lora)
         found = self.adapters.get(cache_key)
-        if found is None:
-            found = self.adapters[cache_key] = adapter_identity(lora, self.weights_digest)
-        return found
+        if found is None or found[0] != files:
+            found = self.adapters[cache_key] = (files, adapter_identity(lora, self.weights_digest))
+        return found[1]
 
     def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)

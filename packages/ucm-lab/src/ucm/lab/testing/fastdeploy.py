@@ -86,6 +86,7 @@ def make_store(path: str, **kwargs: Any) -> AttentionStore:
         "bytes_per_shard_layer_per_block": bytes_per_layer_block(dtype),
         "ucm_config": ucm_config,
         "environ": {},
+        "model_version": "test-model",
         **kwargs,
     }
     return AttentionStore(**args)

@@ -8,16 +8,19 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from ucm.core.settings import (
     GIB,
+    MAX_GIB,
+    MAX_SECONDS,
     ConfigError,
     instance_of,
     int_in_range,
     non_empty_str,
-    non_negative_number,
+    number_up_to,
     one_of,
     optional,
-    positive_number,
+    seconds,
     setting,
 )
+from ucm.core.signing import secret_reference
 from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR, split_gb
 
 if TYPE_CHECKING:
@@ -134,12 +137,12 @@ class MooncakeStoreConfig:
         "GiB of this process's DRAM given to the cluster's pool (other hosts' blocks may "
         "land in it). 0: contribute none and only use the others' (a pure client).",
         default=1.0,
-        validator=non_negative_number,
+        validator=number_up_to(MAX_GIB, zero=True, unit="GiB"),
     )
     local_buffer_mb: float = setting(
         "MiB of registered memory the Mooncake client keeps for its own transfers.",
         default=16.0,
-        validator=positive_number,
+        validator=number_up_to(MAX_GIB, unit="MiB"),
     )
     replicas: int = setting(
         "Copies of each block, on distinct segments.", default=1, validator=int_in_range(1, 16)
@@ -154,12 +157,12 @@ class MooncakeStoreConfig:
         "taken as down (then lookups miss and dumps are dropped at once, until the "
         "background probe hears from it again); also how long start-up waits for it.",
         default=2.0,
-        validator=positive_number,
+        validator=seconds,
     )
     probe_interval_s: float = setting(
         "Seconds between probes of a master that is down.",
         default=0.5,
-        validator=positive_number,
+        validator=number_up_to(MAX_SECONDS, unit="s"),
     )
     io_threads: int | None = setting(
         "Threads issuing transfers, each moving up to 128 blocks per call. null: one per two "
@@ -167,6 +170,22 @@ class MooncakeStoreConfig:
         "core busy copying, and so does the peer it talks to).",
         default=None,
         validator=optional(int_in_range(1, 64)),
+    )
+
+    secret: str | None = setting(
+        "Sign every block with a deployment secret (``env:NAME`` or ``file:PATH``): object "
+        "names are keyed by it and a block without a valid MAC is a miss, so a client of "
+        "the master without the secret can neither read a prompt's block by name nor plant "
+        "one. Set it wherever clients you do not control reach the master (see Security).",
+        default=None,
+        validator=secret_reference,
+    )
+    tenant_id: str | None = setting(
+        "Mooncake tenant of this client (masters started with --enable_multi_tenants keep "
+        "each tenant's keys and quota apart). Any client may claim any tenant: it separates "
+        "deployments, it does not authenticate them. null: Mooncake's default tenant.",
+        default=None,
+        validator=optional(_key_prefix),
     )
 
     @property

@@ -129,6 +129,8 @@ class MasterLink:
         if not _accepts(host, port, min(1.0, config.timeout_s)):
             return None
         client = self._make_client()
+        # the tenant only where one is set: clients before 0.3.13 take no such argument
+        tenant = {} if config.tenant_id is None else {"tenant_id": config.tenant_id}
         code = client.setup(
             config.local_hostname or local_address(host, port),
             config.metadata_server,
@@ -137,6 +139,7 @@ class MasterLink:
             config.protocol,
             config.device,
             config.master,
+            **tenant,
         )
         if code != 0:
             _abandon(client)

@@ -1,9 +1,13 @@
 """The mooncake store: blocks in a Mooncake Store cluster, shared by every host on it.
 
-Each block is one Mooncake object, ``key_prefix + key.hex()``, holding the same bytes a
-posix block file holds (the header page, then the payload), so every load verifies the
-key, the layout and the payload checksum: a foreign, truncated or corrupted object is a
-miss, never data.  Values move with ``batch_put_from_multi_buffers`` and
+Each block is one Mooncake object, ``key_prefix + key.hex()`` (with a secret, the keyed
+name of the key), holding the same bytes a posix block file holds (the header page, then
+the payload), so every load verifies the key, the layout and the payload checksum (or MAC):
+a foreign, truncated or corrupted object is a miss, never data.  Any client of the master
+can put, read and remove any object: without a secret, nothing stops one from planting a
+block under a key it computed (see docs/security.md).  Nothing is ever sized by an object's
+size: a load reads into the caller's buffers, and an object larger than the block asked for
+is refused unread.  Values move with ``batch_put_from_multi_buffers`` and
 ``batch_get_into_multi_buffers`` straight between the caller's buffers and the cluster: no
 Python bytes and no staging copy on the data path.
 
@@ -30,6 +34,7 @@ from ucm.core.block_format import (
     verify_payload,
 )
 from ucm.core.settings import ConfigError
+from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.mooncake.config import MooncakeStoreConfig
 from ucm.core.store.mooncake.link import MasterLink
@@ -51,6 +56,8 @@ OBJECT_ALREADY_EXISTS = -705
 TRANSFER_FAIL = -800  # a segment's owner did not answer, or the buffers exceed the object
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
+TENANT_QUOTA_EXCEEDED = -1700
+TENANT_NOT_REGISTERED = -1701
 #: Codes meaning the master did not answer: the link goes down.
 MASTER_DOWN = frozenset({RPC_FAIL, RPC_TIMEOUT, -1010, -1011})
 
@@ -135,6 +142,7 @@ class MooncakeStore(Store):
         make_client: Callable[[], Any] | None = None,
     ) -> None:
         self.config = config or MooncakeStoreConfig()
+        self._signer = signer_for(self.config.secret)
         if make_client is None:
             make_client = _mooncake_client_class()
         self._link = MasterLink(self.config, make_client)
@@ -169,7 +177,10 @@ class MooncakeStore(Store):
         return self._errors
 
     def _name(self, key: bytes) -> str:
-        return self.config.key_prefix + bytes(key).hex()
+        key = bytes(key)
+        return (
+            self.config.key_prefix + (key if self._signer is None else self._signer.name(key)).hex()
+        )
 
     def _count(self, errors: int = 0, dropped: int = 0) -> None:
         with self._lock:
@@ -238,7 +249,7 @@ class MooncakeStore(Store):
         for i, (key, payload) in enumerate(zip(keys, payloads)):
             try:
                 parts = payload.parts
-                headers.append(bytearray(encode_header(key, parts, layout)))
+                headers.append(bytearray(encode_header(key, parts, layout, self._signer)))
             except (TypeError, ValueError) as exc:
                 call.refuse(i, exc)
                 continue
@@ -265,6 +276,14 @@ class MooncakeStore(Store):
         self._count(errors=1)
         if code == NO_AVAILABLE_HANDLE:
             return KeyResult(Status.ERROR, "the mooncake pool is full (no segment has room)")
+        if code == TENANT_NOT_REGISTERED:
+            return KeyResult(
+                Status.ERROR,
+                f"mooncake tenant {self.config.tenant_id or 'default'!r} is not registered "
+                "with the master (its quota policy, --enable_multi_tenants)",
+            )
+        if code == TENANT_QUOTA_EXCEEDED:
+            return KeyResult(Status.ERROR, "the mooncake tenant's quota is exceeded")
         return KeyResult(Status.ERROR, f"mooncake put failed with code {code}")
 
     def _replicate_config(self) -> Any:
@@ -331,7 +350,7 @@ class MooncakeStore(Store):
                 raise BlockFormatError(
                     f"object truncated: {code} bytes, header alone is {HEADER_BYTES}"
                 )
-            header = decode_header(page, expect_key=key)
+            header = decode_header(page, expect_key=key, signer=self._signer)
             if header.payload_len != payload.nbytes:
                 self._count(errors=1)
                 return KeyResult(
@@ -348,7 +367,7 @@ class MooncakeStore(Store):
                 return KeyResult(
                     Status.ERROR, f"stored block has layout {header.layout!r}, asked for {layout!r}"
                 )
-            verify_payload(header, parts)
+            verify_payload(header, parts, self._signer)
         except BlockFormatError as exc:
             self._count(errors=1)
             return self._corrupt(client, key, exc)
@@ -357,11 +376,22 @@ class MooncakeStore(Store):
     def _not_fitting(self, client: Any, key: bytes, nbytes: int) -> KeyResult:
         """A get whose buffers do not add up to the object: the caller asked for the wrong
         size (an error), or the object is not a whole block (corrupt), or it is unreadable
-        (its segment is gone: a miss).  Rare, so the object is read whole to tell which."""
+        (its segment is gone: a miss).  An object smaller than the block asked for is read
+        whole to tell which (into a buffer no larger than that block); a larger one is
+        refused unread, whatever it claims to be."""
         name = self._name(key)
         size = client.get_size(name)
         if size < 0:
             return KeyResult(Status.MISS, f"mooncake get_size failed with code {size}")
+        wanted = HEADER_BYTES + nbytes
+        if size > wanted:
+            return KeyResult(
+                Status.ERROR,
+                f"buffer is {nbytes} bytes but the stored object holds {size - HEADER_BYTES} "
+                "after a header page (another block size, or not a block): not read",
+            )
+        if size == wanted:  # it fits: the get failed for another reason
+            return KeyResult(Status.MISS, "mooncake get failed for an object of the right size")
         whole = bytearray(size)
         got = client.get_into(name, address(memoryview(whole)), size) if size else 0
         if got != size:
@@ -369,7 +399,9 @@ class MooncakeStore(Store):
         try:
             if size < HEADER_BYTES:
                 raise BlockFormatError(f"object truncated: {size} bytes")
-            header = decode_header(memoryview(whole)[:HEADER_BYTES], expect_key=key)
+            header = decode_header(
+                memoryview(whole)[:HEADER_BYTES], expect_key=key, signer=self._signer
+            )
             if header.payload_len == nbytes:
                 raise BlockFormatError(
                     f"object truncated: {size} bytes, its header says "
