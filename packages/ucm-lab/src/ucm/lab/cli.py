@@ -20,7 +20,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bstore.add_argument(
         "--path",
-        help="directory to benchmark in (default: a temporary one beside the default store)",
+        help="directory to benchmark in: the run's files go in a new folder in it, removed "
+        "at the end (default: beside the default store)",
     )
     bstore.add_argument(
         "--total-gb", type=float, default=1.0, help="GiB moved per store and block size (default 1)"
@@ -45,6 +46,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     bstore.add_argument(
         "--master",
         help="with --kind mooncake: the master, HOST:PORT (default: one started for the run)",
+    )
+    bstore.add_argument(
+        "--signed",
+        action="store_true",
+        help="also measure the posix and shared-memory stores signing their blocks with a "
+        "secret (keyed BLAKE3), against the same baselines",
     )
     bstore.add_argument("--json", action="store_true", help="end with one line of JSON")
     bstore.set_defaults(func=cmd_bench_store)

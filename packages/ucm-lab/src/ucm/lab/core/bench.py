@@ -18,6 +18,7 @@ import argparse
 import json
 import mmap
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -216,14 +217,37 @@ def _mooncake_cases(
     return cases, opened
 
 
+SECRET_ENV = "UCM_BENCH_SECRET"
+
+
+def _signed_cases(
+    root: str, nbytes: int, srcs: list, dsts: list, n: int, opened: list[Any]
+) -> list[tuple[str, Callable[[], tuple[float, float]], str | None]]:
+    """The posix and shared-memory stores signing their blocks, against the same baselines."""
+    secret = f"env:{SECRET_ENV}"
+    posix = PosixStore(PosixStoreConfig(path=os.path.join(root, "signed"), secret=secret))
+    shared = SharedMemoryStore(
+        DramStoreConfig(
+            capacity_gb=2 * nbytes / GIB,
+            path=tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm"),
+            secret=secret,
+        )
+    )
+    opened += [posix, shared]
+    return [
+        ("posix signed", lambda: through_store(posix, srcs, dsts, n), "raw file"),
+        ("dram shared signed", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
+    ]
+
+
 def run_store_bench(args: argparse.Namespace) -> int:
-    own_dir = args.path is None
     # By default, beside the default store: the disk a store would use unless told otherwise.
-    parent = os.path.dirname(default_store_path())
-    if own_dir:
-        os.makedirs(parent, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="ucm-bench-", dir=parent) if own_dir else args.path
-    os.makedirs(root, exist_ok=True)
+    # Either way in a folder of the run's own, the only thing it removes at the end.
+    parent = os.path.dirname(default_store_path()) if args.path is None else args.path
+    os.makedirs(parent, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="ucm-bench-", dir=parent)
+    if args.signed:  # a secret of the run's own, in its environment only
+        os.environ[SECRET_ENV] = secrets.token_hex(32)
     rows: list[dict[str, object]] = []
     summary: dict[str, object] = {"path": root, "total_gb": args.total_gb, "cases": rows}
     try:
@@ -254,7 +278,8 @@ def run_store_bench(args: argparse.Namespace) -> int:
                 # the dram store vLLM uses (scope host): its folder is in shared memory
                 shared = SharedMemoryStore(
                     DramStoreConfig(
-                        capacity_gb=2 * n * size / GIB, path=f"/dev/shm/ucm-bench-{os.getpid()}"
+                        capacity_gb=2 * n * size / GIB,
+                        path=tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm"),
                     )
                 )
                 opened = [posix, direct, dram, shared]
@@ -271,6 +296,8 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
                     ("dram shared", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
                 ]
+                if args.signed:
+                    cases += _signed_cases(root, n * size, srcs, dsts, n, opened)
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
             for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
@@ -305,8 +332,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     shutil.rmtree(thing.dram_config.path, ignore_errors=True)
             shutil.rmtree(raw_dir, ignore_errors=True)
     finally:
-        if own_dir:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     _print(rows, summary)
     if args.json:
         print(json.dumps(summary))
