@@ -3,8 +3,8 @@ not write, a full pool, hosts that leave, and a master that dies and comes back.
 
 The promises every store keeps are in test_store_contract.py."""
 
-import re
 import os
+import re
 import subprocess
 import sys
 import time

@@ -6,6 +6,7 @@ needs, and removals relative to directory descriptors."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -33,19 +34,21 @@ def open_block(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
     """A block file opened for reading, and its status; ``FileNotFoundError`` if absent,
     :class:`NotABlock` if it is not a regular file (a link at the path included)."""
     try:
-        fd = os.open(path, O_BLOCK_READ | extra_flags)
+        # extra flags (O_DIRECT) only once it is known to be a file: a FIFO refuses them
+        fd = os.open(path, O_BLOCK_READ)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
             raise NotABlock("a symbolic link, not a block file") from None
         raise
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotABlock(f"not a regular file (mode {st.st_mode:#o})")
+        if extra_flags:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | extra_flags)
     except BaseException:
         os.close(fd)
         raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotABlock(f"not a regular file (mode {st.st_mode:#o})")
     return fd, st
 
 

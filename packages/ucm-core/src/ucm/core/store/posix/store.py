@@ -102,6 +102,10 @@ class PosixStore(Store):
         try:
             self._prepare()
         except BaseException:
+            if self._usage is not None:
+                self._usage.close()
+            if self._writer is not None:
+                unregister_writer(self._root_fd, *self._writer)
             os.close(self._root_fd)
             raise
         if self._read_only:
@@ -168,8 +172,9 @@ class PosixStore(Store):
         ):
             raise ConfigError(
                 "store.path",
-                f"{self._blocks_dir} (owner uid {st.st_uid}, mode {st.st_mode:o}) is not a "
-                "folder that only you can write; remove it, or see docs/security.md",
+                f"{self._blocks_dir} (owner uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o}) is not a folder that only you can write; "
+                "remove it, or see docs/security.md",
             )
         self._read_only = self._read_only or self._usage is None
 
