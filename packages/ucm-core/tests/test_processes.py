@@ -691,3 +691,40 @@ def test_read_only_filesystem_serves_loads_and_refuses_dumps(tiny_tmpfs):
     # a store path that does not exist on a read-only filesystem is an error naming it
     with pytest.raises(OSError, match="cannot use .* as a UCM store"):
         open_store(tiny_tmpfs / "elsewhere")
+
+
+# --- capacity is one for every process of a store -----------------------------------------------
+
+
+def test_processes_sharing_a_store_hold_its_capacity_between_them(tmp_path):
+    """Four processes dumping into one 4 MiB store at once: what is on disk stays within the
+    capacity (plus the blocks being written), not four times it."""
+    root = tmp_path / "store"
+    block, capacity = 64 * 1024, 4 << 20
+    config = {"root": str(root), "capacity_gb": capacity / GIB, "io_threads": 2}
+    open_store(root, capacity_gb=capacity / GIB).close()
+    children = []
+    for writer in range(4):
+        script = (
+            "import os, sys\n"
+            "from ucm.core.config import PosixStoreConfig\n"
+            "from ucm.core.store import PosixStore\n"
+            f"cfg = {config!r}\n"
+            "s = PosixStore(PosixStoreConfig(path=cfg['root'], capacity_gb=cfg['capacity_gb'],"
+            " io_threads=cfg['io_threads']))\n"
+            "for batch in range(16):\n"
+            "    keys = [os.urandom(16) for _ in range(8)]\n"
+            f"    results = s.wait(s.dump(keys, [bytes({block})] * 8))\n"
+            "    assert all(r.ok for r in results), results\n"
+            "s.close()\n"
+        )
+        children.append(subprocess.Popen([sys.executable, "-c", script]))
+    peak = 0
+    while any(c.poll() is None for c in children):
+        peak = max(peak, scan_store(str(root)).bytes)
+        time.sleep(0.002)
+    assert [c.wait(TIMEOUT) for c in children] == [0, 0, 0, 0]
+    peak = max(peak, scan_store(str(root)).bytes)
+    in_flight = 4 * 2 * (HEADER_BYTES + block)  # each process's writes under way
+    assert peak <= capacity + in_flight, (peak, capacity)
+    assert 4 * 16 * 8 * block > 3 * capacity  # what was written would not have fit

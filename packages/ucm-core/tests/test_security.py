@@ -331,6 +331,7 @@ def test_a_link_of_another_user_on_the_way_to_the_store_is_refused(shm):
     outcome = as_user(VICTIM, lambda: PosixStore(PosixStoreConfig(path=f"{theirs_link}/s")).close())
     if not (protected_symlinks() and outcome[1] == "OSError"):
         assert_refused(outcome, str(theirs_link), f"uid {ATTACKER}", "another user owns")
+    assert not (mine / "s").exists()  # refused before anything was made through the link
     assert as_user(VICTIM, lambda: PosixStore(PosixStoreConfig(path=f"{my_link}/s")).close()) == (
         "returned",
         None,

@@ -63,9 +63,23 @@ def check_store_folder(path: str, *, shared: bool, key: str = "store.path") -> s
     return real
 
 
-def _walk(path: str, key: str, shared: bool) -> str:
+def check_before_creating(path: str, *, shared: bool, key: str = "store.path") -> None:
+    """Refuse to create ``path`` below a folder that another user can change: the part of
+    it that exists already is checked like a store's parents, so that nothing is made
+    through another user's link or in another user's folder."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if existing == os.path.abspath(path):
+        return  # the folder exists: check_store_folder judges it
+    real = _walk(existing, key, shared, store=False)
+    _check_parent(real, key, shared)
+
+
+def _walk(path: str, key: str, shared: bool, *, store: bool = True) -> str:
     """Resolve ``path`` component by component, checking each folder passed and each link
-    met; returns the real path."""
+    met; returns the real path.  ``store``: ``path`` is the store's folder, which may not
+    be a link itself."""
     pending = [p for p in path.split("/") if p]
     current = "/"
     links = 0
@@ -80,7 +94,7 @@ def _walk(path: str, key: str, shared: bool) -> str:
         candidate = os.path.join(current, name)
         st = os.lstat(candidate)
         if stat.S_ISLNK(st.st_mode):
-            if not pending:
+            if store and not pending:
                 raise ConfigError(
                     key,
                     f"{candidate} is a symbolic link: a store folder must be the folder "

@@ -41,7 +41,7 @@ from ucm.core.block_format import (
 from ucm.core.settings import ConfigError
 from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
-from ucm.core.store.folder import check_store_folder
+from ucm.core.store.folder import check_before_creating, check_store_folder
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
 from ucm.core.store.posix.capacity import Capacity
 from ucm.core.store.posix.config import PosixStoreConfig
@@ -85,6 +85,7 @@ class PosixStore(Store):
         self._signer = signer_for(self.config.secret)
         path = os.path.abspath(os.path.expanduser(self.config.path))
         self._read_only = False
+        check_before_creating(path, shared=self.config.shared)
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as exc:
