@@ -72,6 +72,7 @@ def number_up_to(
     """A number in (``low``, ``high``] (``[low, high]`` with ``zero``)."""
     shown = f" {unit}" if unit else ""
     opening = "[" if zero else "("
+    allowed = f"{opening}{low:g}, {high:g}]{shown}"
 
     def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if (
@@ -80,11 +81,9 @@ def number_up_to(
             or not (low <= value if zero else low < value)  # type: ignore[operator]
             or value > high  # type: ignore[operator]
         ):
-            raise ConfigError(
-                attribute.name,
-                f"must be a number in {opening}{low:g}, {high:g}]{shown}, got {value!r}",
-            )
+            raise ConfigError(attribute.name, f"must be a number in {allowed}, got {value!r}")
 
+    check.allowed = f"a number in {allowed}"  # type: ignore[attr-defined]  # docs reference
     return check
 
 
