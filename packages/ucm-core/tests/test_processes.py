@@ -703,22 +703,20 @@ def test_processes_sharing_a_store_hold_its_capacity_between_them(tmp_path):
     block, capacity = 64 * 1024, 4 << 20
     config = {"root": str(root), "capacity_gb": capacity / GIB, "io_threads": 2}
     open_store(root, capacity_gb=capacity / GIB).close()
-    children = []
-    for writer in range(4):
-        script = (
-            "import os, sys\n"
-            "from ucm.core.config import PosixStoreConfig\n"
-            "from ucm.core.store import PosixStore\n"
-            f"cfg = {config!r}\n"
-            "s = PosixStore(PosixStoreConfig(path=cfg['root'], capacity_gb=cfg['capacity_gb'],"
-            " io_threads=cfg['io_threads']))\n"
-            "for batch in range(16):\n"
-            "    keys = [os.urandom(16) for _ in range(8)]\n"
-            f"    results = s.wait(s.dump(keys, [bytes({block})] * 8))\n"
-            "    assert all(r.ok for r in results), results\n"
-            "s.close()\n"
-        )
-        children.append(subprocess.Popen([sys.executable, "-c", script]))
+    script = (
+        "import os, sys\n"
+        "from ucm.core.config import PosixStoreConfig\n"
+        "from ucm.core.store import PosixStore\n"
+        f"cfg = {config!r}\n"
+        "s = PosixStore(PosixStoreConfig(path=cfg['root'], capacity_gb=cfg['capacity_gb'],"
+        " io_threads=cfg['io_threads']))\n"
+        "for batch in range(16):\n"
+        "    keys = [os.urandom(16) for _ in range(8)]\n"
+        f"    results = s.wait(s.dump(keys, [bytes({block})] * 8))\n"
+        "    assert all(r.ok for r in results), results\n"
+        "s.close()\n"
+    )
+    children = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(4)]
     peak = 0
     while any(c.poll() is None for c in children):
         peak = max(peak, scan_store(str(root)).bytes)
