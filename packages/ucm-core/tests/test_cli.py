@@ -125,8 +125,8 @@ def test_verify_clean_corrupt_and_remove(tmp_path):
     assert bad.exists()
 
     done = ucm("store", "verify", str(root), "--remove")
-    assert done.returncode == 1
-    assert "1 corrupt (removed)" in done.stdout
+    assert done.returncode == 0, done.stdout  # repaired: nothing corrupt is left
+    assert "REPAIRED: 4 blocks checked, 1 corrupt (1 removed)" in done.stdout
     assert not bad.exists()
     assert all(block_path(root, k).exists() for k in keys if k != keys[2])
 
@@ -214,8 +214,16 @@ def test_a_path_that_is_not_a_store_is_refused(tmp_path, what, command):
         path.write_text("keep me")
     done = ucm("store", command[0], str(path), *command[1:])
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "is not a UCM posix store" in done.stderr
-    assert done.stdout == ""
+    expected = {
+        "missing": "no such folder",
+        "empty_dir": "is not a UCM posix store",
+        "file": "is not a folder",
+    }[what]
+    if "--json" in command:  # one JSON object, on standard output
+        assert expected in json.loads(done.stdout)["error"] and done.stderr == ""
+    else:
+        assert expected in done.stderr and "Traceback" not in done.stderr
+        assert done.stdout == ""
     # nothing was created or deleted
     if what == "missing":
         assert not path.exists()
@@ -225,11 +233,58 @@ def test_a_path_that_is_not_a_store_is_refused(tmp_path, what, command):
         assert sorted(p.name for p in path.iterdir()) == ["precious.txt"]
 
 
+def test_a_hybrid_models_root_is_its_two_stores(tmp_path):
+    root = tmp_path / "hybrid"
+    make_store(root / "fa", [1000, 2000])
+    make_store(root / "wa", [3000])
+    done = ucm("store", "stats", str(root), "--json")
+    assert done.returncode == 0, done.stderr
+    stores = json.loads(done.stdout)["stores"]
+    assert [(s["path"], s["blocks"]) for s in stores] == [
+        (str(root / "fa"), 2),
+        (str(root / "wa"), 1),
+    ]
+    done = ucm("store", "verify", str(root))
+    assert done.returncode == 0 and done.stdout.count("OK: ") == 2, done.stdout
+    done = ucm("store", "gc", str(root), "--capacity-gb", "1e-9")
+    assert done.returncode == 0, done.stderr
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == ["gc fa", "gc wa"]
+    assert scan_store(str(root / "fa")).blocks == scan_store(str(root / "wa")).blocks == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--block-kib", "0"],
+        ["--repeat", "0"],
+        ["--total-gb", "-5"],
+        ["--total-gb", "inf"],
+        ["--path", "FILE"],
+    ],
+)
+def test_bench_store_refuses_bad_arguments_in_one_line(tmp_path, bad):
+    (tmp_path / "FILE").write_text("keep me")
+    bad = [str(tmp_path / "FILE") if a == "FILE" else a for a in bad]
+    done = ucm("bench", "store", "--total-gb", "0.01", "--repeat", "1", *bad)
+    assert done.returncode in (1, 2), done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and bad[0] in done.stderr, done.stderr
+    assert (tmp_path / "FILE").read_text() == "keep me"
+
+
+def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(tmp_path):
+    root = tmp_path / "store"
+    make_store(root, [1000, 2000, 3000])
+    done = ucm("store", "gc", str(root), "--capacity-gb", "1e-9", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "gc: would remove 3 blocks" in done.stdout
+    assert len(scan_store(str(root)).blocks) == 3
+
+
 def test_usage_errors_exit_2(tmp_path):
     assert ucm().returncode == 2
     assert ucm("store").returncode == 2
-    done = ucm("store", "gc", str(tmp_path))  # --capacity-gb is required
-    assert done.returncode == 2 and "--capacity-gb" in done.stderr
+    done = ucm("store", "gc", str(tmp_path))  # what to remove is required
+    assert done.returncode == 1 and "--capacity-gb" in done.stderr
 
 
 # --- bench -------------------------------------------------------------------------------------
@@ -308,5 +363,7 @@ def test_model_id_names_copies_alike(tmp_path, monkeypatch, capsys):
         assert main(["model-id", str(tmp_path / folder), "--json"]) == 0
         digests.append(json.loads(capsys.readouterr().out)["weights"])
     assert digests[0] == digests[1]
-    with pytest.raises(SystemExit, match="no weight files"):
-        main(["model-id", str(tmp_path / "cache")])
+    assert main(["model-id", str(tmp_path / "cache")]) == 1
+    assert "no weight files" in capsys.readouterr().err
+    assert main(["model-id", str(tmp_path / "cache"), "--json"]) == 1
+    assert "no weight files" in json.loads(capsys.readouterr().out)["error"]

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 from ucm.core.block_format import HEADER_BYTES
 from ucm.core.config import PosixStoreConfig
 from ucm.core.keys import Namespace, block_keys
@@ -328,7 +329,6 @@ CORRUPTIONS = {
     "truncated_in_payload": _truncate(HEADER_BYTES + SIZE // 2),
     "last_byte_missing": _truncate(HEADER_BYTES + SIZE - 1),
     "flip_magic": _flip(0),
-    "flip_version": _flip(4),
     "flip_header_size": _flip(6),
     "flip_flags": _flip(8),
     "flip_key": _flip(20),
@@ -347,6 +347,39 @@ CORRUPTIONS = {
     "zeros": _zeros,
     "garbage": _garbage,
 }
+
+
+def _other_version(path: Path, version: int = 2) -> None:
+    """Make the block at ``path`` one of format ``version`` (a whole header of its own)."""
+    data = bytearray(path.read_bytes())
+    data[4:6] = version.to_bytes(2, "little")
+    end = 46 + int.from_bytes(data[44:46], "little")
+    data[end : end + 8] = xxhash.xxh3_64_intdigest(bytes(data[:end])).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+def test_a_block_of_another_format_version_is_a_miss_left_alone(tmp_path):
+    """Upgrades: a build never deletes what another build (newer or older) may read;
+    ``ucm store gc --other-versions`` removes those blocks when asked."""
+    root = tmp_path / "store"
+    keys, data = _setup_corruptible(root)
+    _other_version(block_path(root, keys[0]))
+    with open_store(root) as store:
+        (r,) = store.wait(store.load([keys[0]], [bytearray(SIZE)], LAYOUT))
+        assert r.status is Status.MISS and "format version 2" in r.detail, r
+        assert store.errors == 0
+    assert block_path(root, keys[0]).exists()
+    done = ucm("store", "verify", "--remove", str(root))
+    assert done.returncode == 0, done.stdout
+    assert f"OTHER VERSION {block_path(root, keys[0])}" in done.stdout
+    assert block_path(root, keys[0]).exists()
+    done = ucm("store", "gc", str(root), "--other-versions", "--dry-run")
+    assert "would remove 1 blocks of other format versions" in done.stdout
+    assert block_path(root, keys[0]).exists()
+    done = ucm("store", "gc", str(root), "--other-versions")
+    assert done.returncode == 0 and "removed 1 blocks" in done.stdout, done.stdout
+    assert not block_path(root, keys[0]).exists()
+    assert all(block_path(root, k).exists() for k in keys[1:])
 
 
 def _setup_corruptible(root) -> tuple[list[bytes], dict[bytes, bytes]]:
@@ -488,7 +521,7 @@ def test_verify_reports_every_corrupt_block_and_remove_deletes_only_them(tmp_pat
     assert all(Path(p).exists() for p in corrupt)  # without --remove nothing is deleted
 
     done = ucm("store", "verify", "--remove", str(root))
-    assert done.returncode == 1 and "(removed)" in done.stdout
+    assert done.returncode == 0 and "REPAIRED" in done.stdout and " removed)" in done.stdout
     assert not any(Path(p).exists() for p in corrupt)
     assert all(p.exists() for p in foreign)
     assert all(block_path(root, k).exists() for k in good)

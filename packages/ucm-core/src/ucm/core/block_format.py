@@ -9,6 +9,11 @@ Layout (all integers little-endian)::
                  header xxh3-64 (u64) over everything before it, zero padding
     offset 4096  payload
 
+Upgrades: a change to this format bumps ``FORMAT_VERSION`` and the keys' namespace tag
+(:mod:`ucm.core.keys`), so two versions never write the same name.  A block of another
+version is a miss, never deleted on read (:class:`OtherVersion`); ``ucm store gc
+--other-versions`` removes them once no build reads them.
+
 The header takes a whole 4 KiB page so that the payload starts page-aligned: O_DIRECT
 reads and writes then need no re-alignment, and the checksum of the header itself means a
 torn or overwritten header is detected like a bad payload.
@@ -45,6 +50,11 @@ _PADDING = bytes(HEADER_BYTES)
 
 class BlockFormatError(ValueError):
     """A stored block failed verification; the caller treats it as a miss."""
+
+
+class OtherVersion(BlockFormatError):
+    """A block of another format version: a miss for this build, and not its to delete (a
+    newer or older build sharing the store may read it)."""
 
 
 class SigningMismatch(BlockFormatError):
@@ -136,7 +146,7 @@ def decode_header(
     if magic != MAGIC:
         raise BlockFormatError(f"bad magic {bytes(magic)!r}, not a UCM block")
     if version != FORMAT_VERSION:
-        raise BlockFormatError(f"format version {version}, this build reads {FORMAT_VERSION}")
+        raise OtherVersion(f"format version {version}, this build reads {FORMAT_VERSION}")
     if header_bytes != HEADER_BYTES or layout_len > MAX_LAYOUT_BYTES:
         raise BlockFormatError(f"bad header size {header_bytes} / layout length {layout_len}")
     if flags & ~SIGNED:

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from importlib.metadata import EntryPoint, entry_points
 
 from tqdm import tqdm
+from ucm.core.block_format import FORMAT_VERSION
 from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
 from ucm.core.settings import GIB, MAX_GIB, ConfigError
-from ucm.core.signing import signer_for
+from ucm.core.signing import BlockSigner, signer_for
 from ucm.core.store.posix import (
     BLOCKS_DIR,
     NEEDS_SECRET,
@@ -25,8 +26,9 @@ from ucm.core.store.posix import (
     verify_block_file,
 )
 from ucm.core.store.posix.fileio import open_dir, unlink_in
-from ucm.core.store.posix.layout import block_relative
+from ucm.core.store.posix.layout import OTHER_VERSION, block_relative, block_version
 from ucm.core.store.posix.usage import SharedUsage
+from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR
 
 
 def _human(n: float) -> str:
@@ -37,62 +39,94 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _require_store(path: str) -> str:
+class CliError(Exception):
+    """A problem the command reports in one line (``--json``: one JSON object) and exit 1."""
+
+
+def _stores(path: str) -> list[str]:
+    """The posix store at ``path``, or the two of a hybrid model's root (``fa/``, ``wa/``)."""
     root = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isdir(os.path.join(root, BLOCKS_DIR)):
-        raise SystemExit(f"ucm: {path!r} is not a UCM posix store (no {BLOCKS_DIR}/ directory)")
-    return root
+    if not os.path.lexists(root):
+        raise CliError(f"{path}: no such folder")
+    if not os.path.isdir(root):
+        raise CliError(f"{path} is not a folder, so not a UCM posix store")
+    if os.path.isdir(os.path.join(root, BLOCKS_DIR)):
+        return [root]
+    groups = [os.path.join(root, g) for g in (FA_SUBDIR, WA_SUBDIR)]
+    found = [g for g in groups if os.path.isdir(os.path.join(g, BLOCKS_DIR))]
+    if found:
+        return found
+    raise CliError(
+        f"{path} is not a UCM posix store (no {BLOCKS_DIR}/ folder, nor a hybrid model's "
+        f"{FA_SUBDIR}/ and {WA_SUBDIR}/)"
+    )
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    root = _require_store(args.path)
+def _stats(root: str) -> dict[str, object]:
     scan = scan_store(root)
     marked = read_marker(root).get("capacity_bytes")
     capacity = marked if isinstance(marked, int) and marked > 0 else None
-    used = scan.bytes / capacity if capacity else None
-    stats = {
+    return {
         "path": root,
         "blocks": len(scan.blocks),
         "bytes": scan.bytes,
         "capacity_bytes": capacity,
-        "capacity_used": used,
+        "capacity_used": scan.bytes / capacity if capacity else None,
         "foreign_files": len(scan.foreign),
         "stale_temp_files_removed": scan.temps_removed,
     }
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    found = [_stats(root) for root in _stores(args.path)]
     if args.json:
-        print(json.dumps(stats))
+        print(json.dumps(found[0] if len(found) == 1 else {"stores": found}))
         return 0
-    print(f"store     {root}")
-    print(f"blocks    {stats['blocks']}")
-    print(f"bytes     {_human(scan.bytes)} ({scan.bytes})")
-    if capacity and used is not None:
-        print(f"capacity  {_human(capacity)}, {100 * used:.1f}% used")
-    else:
-        print("capacity  unlimited")
-    if scan.foreign:
-        print(f"foreign   {len(scan.foreign)} files that are not UCM blocks")
+    for stats in found:
+        _print_stats(stats)
     return 0
 
 
+def _print_stats(stats: dict[str, object]) -> None:
+    size, capacity, used = stats["bytes"], stats["capacity_bytes"], stats["capacity_used"]
+    print(f"store     {stats['path']}")
+    print(f"blocks    {stats['blocks']}")
+    print(f"bytes     {_human(size)} ({size})")  # type: ignore[arg-type]
+    if capacity and used is not None:
+        print(f"capacity  {_human(capacity)}, {100 * used:.1f}% used")  # type: ignore[arg-type,operator]
+    else:
+        print("capacity  unlimited")
+    if stats["foreign_files"]:
+        print(f"foreign   {stats['foreign_files']} files that are not UCM blocks")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    root = _require_store(args.path)
     signer = signer_for(args.secret, "--secret")
+    return max(_verify(root, signer, args.remove) for root in _stores(args.path))
+
+
+def _verify(root: str, signer: BlockSigner | None, remove: bool) -> int:
+    """Verify one store; 1 if a corrupt block is left in it."""
     scan = scan_store(root)
     corrupt: list[tuple[str, str]] = []
     unchecked = 0
     for block in tqdm(scan.blocks, desc="verify", unit="block", disable=None, file=sys.stderr):
         problem = verify_block_file(block.path, signer)
-        if problem == NEEDS_SECRET:
-            unchecked += 1
+        if problem == NEEDS_SECRET or (problem or "").startswith(OTHER_VERSION):
+            unchecked += 1  # not known to be bad: another secret's or another build's
+            if problem != NEEDS_SECRET:
+                print(f"OTHER VERSION {block.path}: {problem} (ucm store gc --other-versions)")
         elif problem:
             corrupt.append((block.name, problem))
+    left = len(corrupt)
     root_fd = open_dir(root)
     try:
         for name, problem in corrupt:
             print(f"CORRUPT {os.path.join(root, block_relative(name))}: {problem}")
-            if args.remove:
+            if remove:
                 try:
                     unlink_in(root_fd, block_relative(name))
+                    left -= 1
                 except OSError as exc:
                     print(f"  cannot remove: {exc.strerror}")
     finally:
@@ -100,15 +134,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for path in scan.foreign:
         print(f"FOREIGN {path}: not a UCM block (ignored by the store)")
     if unchecked:
-        print(f"UNCHECKED {unchecked} signed blocks: {NEEDS_SECRET}")
-    verdict = "FAILED" if corrupt else "OK"
-    removed = " (removed)" if args.remove and corrupt else ""
+        print(f"UNCHECKED {unchecked} blocks: signed (give --secret) or of another version")
+    verdict = "FAILED" if left else ("REPAIRED" if corrupt else "OK")
+    removed = f" ({len(corrupt) - left} removed)" if remove and corrupt else ""
     print(
         f"{verdict}: {len(scan.blocks) - unchecked} blocks checked, {len(corrupt)} corrupt"
         f"{removed}, {len(scan.foreign)} foreign files, {scan.temps_removed} stale temporary "
         "files removed"
     )
-    return 1 if corrupt else 0
+    return 1 if left else 0
 
 
 def _capacity_gb(text: str) -> float:
@@ -123,18 +157,53 @@ def _capacity_gb(text: str) -> float:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    root = _require_store(args.path)
-    target = int(args.capacity_gb * GIB)
+    if args.capacity_gb is None and not args.other_versions:
+        raise CliError("say what to remove: --capacity-gb, --other-versions, or both")
+    roots = _stores(args.path)
+    for root in roots:
+        label = f"gc {os.path.basename(root)}" if len(roots) > 1 else "gc"
+        if args.other_versions:
+            _gc_other_versions(root, args.dry_run, label)
+        if args.capacity_gb is not None:
+            _gc(root, int(args.capacity_gb * GIB), args.dry_run, label)
+    return 0
+
+
+def _gc_other_versions(root: str, dry_run: bool, label: str) -> None:
+    """Remove the blocks of other format versions (left alone by the stores: a build that
+    reads them may still share the folder)."""
+    scan = scan_store(root, remove_temps=not dry_run)
+    other = [b for b in scan.blocks if block_version(b.path) not in (None, FORMAT_VERSION)]
+    if not dry_run and other:
+        root_fd = open_dir(root)
+        try:
+            usage = SharedUsage(root_fd)
+            try:
+                for block in other:
+                    if unlink_in(root_fd, block_relative(block.name), block.inode):
+                        usage.add(-block.size, -1)
+            finally:
+                usage.close()
+        finally:
+            os.close(root_fd)
+    what = "would remove" if dry_run else "removed"
+    size = sum(b.size for b in other)
+    print(f"{label}: {what} {len(other)} blocks of other format versions ({_human(size)})")
+
+
+def _gc(root: str, target: int, dry_run: bool, label: str) -> None:
     root_fd = open_dir(root)
+    usage = None
     try:
-        usage = SharedUsage(root_fd)
-    except OSError:
-        usage = None  # a store that cannot be written: nothing will be removed either
-    try:
+        if not dry_run:
+            try:
+                usage = SharedUsage(root_fd)
+            except OSError:
+                pass  # a store that cannot be written: nothing will be removed either
         counted = usage.read() if usage is not None else (0, 0)
-        scan = scan_store(root)
+        scan = scan_store(root, remove_temps=not dry_run)
         before = scan.bytes
-        remaining, count = evict_lru(scan, target, root_fd)
+        remaining, count = evict_lru(scan, target, root_fd, dry_run=dry_run)
         if usage is not None:  # the engines' count follows what gc removed
             removed = (before - remaining, len(scan.blocks) - count)
             usage.resync((remaining, count), counted, removed)
@@ -142,11 +211,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if usage is not None:
             usage.close()
         os.close(root_fd)
+    gone = len(scan.blocks) - count
+    what = f"would remove {gone} blocks" if dry_run else f"{gone} blocks removed"
     print(
-        f"gc: {len(scan.blocks) - count} blocks removed, {_human(before)} -> {_human(remaining)} "
-        f"(capacity {_human(target)}), {scan.temps_removed} stale temporary files removed"
+        f"{label}: {what}, {_human(before)} -> {_human(remaining)} (capacity "
+        f"{_human(target)}), {scan.temps_removed} stale temporary files removed"
     )
-    return 0
 
 
 def cmd_model_id(args: argparse.Namespace) -> int:
@@ -156,7 +226,7 @@ def cmd_model_id(args: argparse.Namespace) -> int:
 
     files = weight_files(args.path)
     if not files:
-        raise SystemExit(f"ucm: no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {args.path!r}")
+        raise CliError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {args.path!r}")
     started = time.perf_counter()
     digest = weights_digest(args.path, args.weights_digest)
     seconds = time.perf_counter() - started
@@ -216,9 +286,21 @@ def build_parser(plugins: Sequence[EntryPoint] | None = None) -> argparse.Argume
         help="the store's secret, to check signed blocks (else they are counted unchecked)",
     )
     verify.set_defaults(func=cmd_verify)
-    gc = store_sub.add_parser("gc", help="evict least recently used blocks down to a capacity")
+    gc = store_sub.add_parser(
+        "gc",
+        help="evict least recently used blocks down to a capacity, or remove blocks of "
+        "other format versions",
+    )
     gc.add_argument("path")
-    gc.add_argument("--capacity-gb", type=_capacity_gb, required=True, help="GiB to keep")
+    gc.add_argument("--capacity-gb", type=_capacity_gb, help="GiB to keep")
+    gc.add_argument(
+        "--other-versions",
+        action="store_true",
+        help=f"remove the blocks of format versions other than this build's ({FORMAT_VERSION})",
+    )
+    gc.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed; remove nothing"
+    )
     gc.set_defaults(func=cmd_gc)
 
     model_id = sub.add_parser(
@@ -250,9 +332,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"ucm: invalid configuration: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, f"invalid configuration: {exc}", 2)
+    except (CliError, OSError) as exc:
+        return _fail(args, str(exc), 1)
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """Report ``message`` in one line: JSON on standard output with ``--json``."""
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message}))
+    else:
+        print(f"ucm: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as ucm.core.cli, not __main__: the commands' modules raise ucm.core.cli.CliError
+    from ucm.core.cli import main as installed_main
+
+    sys.exit(installed_main())

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
+from ucm.core.cli import CliError
 from ucm.core.config import (
     DramStoreConfig,
     MooncakeStoreConfig,
@@ -218,6 +219,14 @@ def _mooncake_cases(
 
 
 SECRET_ENV = "UCM_BENCH_SECRET"
+#: the folders in shared memory this run made, removed at its end whatever happens
+SHM_FOLDERS: list[str] = []
+
+
+def _shm_folder() -> str:
+    folder = tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm")
+    SHM_FOLDERS.append(folder)
+    return folder
 
 
 def _signed_cases(
@@ -229,7 +238,7 @@ def _signed_cases(
     shared = SharedMemoryStore(
         DramStoreConfig(
             capacity_gb=2 * nbytes / GIB,
-            path=tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm"),
+            path=_shm_folder(),
             secret=secret,
         )
     )
@@ -244,6 +253,15 @@ def run_store_bench(args: argparse.Namespace) -> int:
     # By default, beside the default store: the disk a store would use unless told otherwise.
     # Either way in a folder of the run's own, the only thing it removes at the end.
     parent = os.path.dirname(default_store_path()) if args.path is None else args.path
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise CliError(f"--path {parent} is not a folder")
+    if args.kind == "mooncake":
+        try:
+            import mooncake.store  # type: ignore[import-untyped]  # noqa: F401
+        except ImportError as exc:
+            raise CliError(
+                f"--kind mooncake needs Mooncake's client (pip install 'ucm-core[mooncake]'): {exc}"
+            ) from None
     os.makedirs(parent, exist_ok=True)
     root = tempfile.mkdtemp(prefix="ucm-bench-", dir=parent)
     if args.signed:  # a secret of the run's own, in its environment only
@@ -279,7 +297,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
                 shared = SharedMemoryStore(
                     DramStoreConfig(
                         capacity_gb=2 * n * size / GIB,
-                        path=tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm"),
+                        path=_shm_folder(),
                     )
                 )
                 opened = [posix, direct, dram, shared]
@@ -333,6 +351,9 @@ def run_store_bench(args: argparse.Namespace) -> int:
             shutil.rmtree(raw_dir, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        for folder in SHM_FOLDERS:  # a run cut short leaves no shared memory behind
+            shutil.rmtree(folder, ignore_errors=True)
+        SHM_FOLDERS.clear()
     _print(rows, summary)
     if args.json:
         print(json.dumps(summary))

@@ -29,6 +29,7 @@ from typing import Any
 from ucm.core.block_format import (
     HEADER_BYTES,
     BlockFormatError,
+    OtherVersion,
     decode_header,
     encode_header,
     verify_payload,
@@ -368,6 +369,8 @@ class MooncakeStore(Store):
                     Status.ERROR, f"stored block has layout {header.layout!r}, asked for {layout!r}"
                 )
             verify_payload(header, parts, self._signer)
+        except OtherVersion as exc:  # another build's block: not ours to judge or delete
+            return KeyResult(Status.MISS, str(exc))
         except BlockFormatError as exc:
             self._count(errors=1)
             return self._corrupt(client, key, exc)
@@ -407,6 +410,8 @@ class MooncakeStore(Store):
                     f"object truncated: {size} bytes, its header says "
                     f"{HEADER_BYTES + header.payload_len}"
                 )
+        except OtherVersion as exc:
+            return KeyResult(Status.MISS, str(exc))
         except BlockFormatError as exc:
             return self._corrupt(client, key, exc)
         return KeyResult(

@@ -31,7 +31,9 @@ import time
 import attrs
 from ucm.core.block_format import (
     HEADER_BYTES,
+    MAGIC,
     BlockFormatError,
+    OtherVersion,
     SigningMismatch,
     check_payload,
     decode_header,
@@ -274,6 +276,8 @@ def _scan_folder(
 
 #: what :func:`verify_block_file` says of a signed block it was given no secret for
 NEEDS_SECRET = "signed: give the store's secret (--secret) to check it"
+#: the start of what it says of a block of another format version (not corrupt)
+OTHER_VERSION = "format version"
 
 
 def verify_block_file(path: str, signer: BlockSigner | None = None) -> str | None:
@@ -301,6 +305,8 @@ def verify_block_file(path: str, signer: BlockSigner | None = None) -> str | Non
             if signer is None:
                 return NEEDS_SECRET
             raise
+        except OtherVersion as exc:
+            return str(exc)  # starts with OTHER_VERSION
         named = header.key if signer is None else signer.name(header.key)
         if named.hex() != name:
             raise BlockFormatError(f"header names key {header.key.hex()}, not this file's")
@@ -321,6 +327,23 @@ def verify_block_file(path: str, signer: BlockSigner | None = None) -> str | Non
     finally:
         os.close(fd)
     return None
+
+
+def block_version(path: str) -> int | None:
+    """The format version a block file's header names (``None``: not a UCM block)."""
+    try:
+        fd, _ = open_block(path)
+    except (OSError, BlockFormatError):
+        return None
+    try:
+        head = os.pread(fd, 6, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(head) < 6 or head[:4] != MAGIC:
+        return None
+    return int.from_bytes(head[4:6], "little")
 
 
 #: a marker is a few dozen bytes; more is not one of ours
@@ -372,9 +395,10 @@ def evict_lru(
     root_fd: int,
     *,
     skip: frozenset[str] | set[str] = frozenset(),
+    dry_run: bool = False,
 ) -> tuple[int, int]:
     """Delete least recently used blocks of the store ``root_fd`` (a descriptor of its
-    folder) until at most ``target_bytes`` remain.
+    folder) until at most ``target_bytes`` remain (``dry_run``: only count them).
 
     Returns (bytes remaining, blocks remaining)."""
     total = scan.bytes
@@ -383,7 +407,8 @@ def evict_lru(
         if total <= target_bytes:
             break
         try:
-            unlink_in(root_fd, block_relative(block.name), block.inode or None)
+            if not dry_run:
+                unlink_in(root_fd, block_relative(block.name), block.inode or None)
         except OSError as exc:
             log.warning("ucm posix store: cannot evict %s: %s", block.path, exc.strerror)
             continue

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ucm.core.block_format import (
     HEADER_BYTES,
     BlockFormatError,
+    OtherVersion,
     check_payload,
     decode_header,
     encode_header,
@@ -473,6 +474,8 @@ class PosixStore(Store):
             except OSError:
                 pass  # a shared directory may hold files of other users
             return OK
+        except OtherVersion as exc:  # another build's block: not ours to judge or delete
+            return KeyResult(Status.MISS, str(exc))
         except BlockFormatError as exc:
             self._count_error()
             self._discard(name, st.st_ino)
