@@ -117,7 +117,6 @@ class PosixStore(Store):
             )
         self._capacity = Capacity(self.config.capacity_bytes, self.config.evict_fraction)
         self._direct = self.config.o_direct and bool(O_DIRECT)
-        self._host = host_tag()
         self._pool = ThreadPoolExecutor(self.config.io_thread_count, thread_name_prefix="ucm-posix")
         self._bounce = Bounce()
         self._lock = threading.Lock()  # guards the in-flight bytes and the counters below
@@ -366,7 +365,7 @@ class PosixStore(Store):
                 if not self._scanned.is_set():
                     self._published_before_scan.add(name)
             # Counted before it is published: a writer killed in between leaves the count
-            # high, never low, and every scan brings a high count down (usage.resync).
+            # high, never low, and the next eviction pass brings it down (usage.resync).
             assert self._usage is not None
             self._usage.add(size, 1)
             try:
