@@ -21,6 +21,7 @@ from ucm.vllm.layout import describe
 from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.vllm.stores import ConnectorStores
+from ucm.vllm.support import store_summary, version_warning
 from ucm.vllm.worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -70,6 +71,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _log_start(self.config, self.layout)
             self.scheduler = SchedulerSide(
                 self.layout,
                 stores,
@@ -192,3 +194,20 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> UCMPromMetrics:
         return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _log_start(config: Any, layout: Any) -> None:
+    """Once per engine (the scheduler's connector): that UCM is active, and with what."""
+    import vllm
+
+    log.info(
+        "UCMConnector active: store %s; %d-token blocks; %d KV-cache group(s); "
+        "tensor-parallel world %d",
+        store_summary(config.store),
+        layout.block_tokens,
+        len(layout.groups),
+        layout.world_size,
+    )
+    warning = version_warning(getattr(vllm, "__version__", "unknown"))
+    if warning:
+        log.warning(warning)
