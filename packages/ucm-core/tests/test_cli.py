@@ -82,7 +82,7 @@ def test_stats_json_counts_blocks_bytes_and_capacity(tmp_path):
 
 def test_stats_of_an_unlimited_and_of_an_empty_store(tmp_path):
     root = tmp_path / "store"
-    make_store(root, [])
+    make_store(root, [], capacity_gb=None)
     done = ucm("store", "stats", str(root), "--json")
     assert done.returncode == 0, done.stderr
     stats = json.loads(done.stdout)

@@ -227,8 +227,13 @@ def test_split_posix(tmp_path):
     assert (fa.path, wa.path) == (str(tmp_path / "fa"), str(tmp_path / "wa"))
     assert (fa.capacity_gb, wa.capacity_gb) == (5, 5)
     assert fa.fsync == wa.fsync == "data"
-    fa, wa = split_store_config(PosixStoreConfig(path=str(tmp_path)), 0.25)
+    fa, wa = split_store_config(PosixStoreConfig(path=str(tmp_path), capacity_gb=None), 0.25)
     assert fa.capacity_gb is None and wa.capacity_gb is None
+    # 'auto' is worked out once and split like a number
+    auto = PosixStoreConfig(path=str(tmp_path))
+    fa, wa = split_store_config(auto, 0.25)
+    assert fa.capacity_gb + wa.capacity_gb == pytest.approx(auto.capacity_bytes / (1 << 30))
+    assert wa.capacity_gb == pytest.approx(fa.capacity_gb / 3)
 
 
 def test_split_dram_and_tiered(tmp_path):

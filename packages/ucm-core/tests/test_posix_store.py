@@ -186,3 +186,29 @@ def test_closed_store_refuses_work(tmp_path):
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
         s.dump([key(1)], [b"x"])
+
+
+def test_a_store_nobody_sized_takes_half_the_free_space_and_says_so(tmp_path, caplog):
+    """The default capacity ('auto'): half of what the filesystem has free, its own blocks
+    counted as free (so a filling store does not shrink its own limit), logged."""
+    import logging
+
+    from ucm.core.store.posix.config import AUTO, auto_capacity_bytes
+    from ucm.core.store.posix.layout import read_marker
+
+    config = PosixStoreConfig(path=str(tmp_path / "p"))
+    assert config.capacity_gb == AUTO
+    st = os.statvfs(tmp_path)
+    half_free = st.f_bavail * st.f_frsize // 2
+    with caplog.at_level(logging.INFO, logger="ucm.core.store.posix.store"):
+        s = PosixStore(config)
+    limit = s.usage().capacity_bytes
+    assert abs(limit - half_free) < 64 << 20, (limit, half_free)
+    assert read_marker(s.root)["capacity_bytes"] == limit
+    assert any("capacity" in r.getMessage() and "auto" in r.getMessage() for r in caplog.records)
+    s.wait(s.dump([key(1)], [payload(1, 1 << 20)]))
+    assert auto_capacity_bytes(s.root) == pytest.approx(limit, abs=8 << 20)  # its own counted
+    s.close()
+    unlimited = PosixStore(PosixStoreConfig(path=str(tmp_path / "q"), capacity_gb=None))
+    assert unlimited.usage().capacity_bytes is None
+    unlimited.close()

@@ -662,7 +662,13 @@ def test_full_filesystem_fails_dumps_without_partial_blocks(tiny_tmpfs):
     root = tiny_tmpfs / "store"
     keys = [key_of(i, b"tmpfs") for i in range(16)]
     data = {k: random.Random(k).randbytes(96 * 1024) for k in keys}  # 16 x 100 KiB > 1 MiB
-    with open_store(root, io_threads=4) as store:
+    # the default capacity (half the free space) never lets the filesystem fill: it evicts
+    with open_store(tiny_tmpfs / "auto", io_threads=1) as store:
+        results = store.wait(store.dump(keys, [data[k] for k in keys]))
+        assert all(r.ok for r in results), results
+        assert scan_store(str(tiny_tmpfs / "auto")).bytes <= 512 << 10
+    shutil.rmtree(tiny_tmpfs / "auto")
+    with open_store(root, io_threads=4, capacity_gb=None) as store:  # no limit: it fills
         results = store.wait(store.dump(keys, [data[k] for k in keys]))
         stored = [k for k, r in zip(keys, results) if r.status is Status.OK]
         failed = [k for k, r in zip(keys, results) if r.status is Status.ERROR]

@@ -18,15 +18,17 @@ def test_tested_releases_start_quietly_and_others_are_warned_about():
 def test_the_store_is_named_with_where_it_is_and_its_size():
     posix = parse_store_config({"kind": "posix", "path": "/data/ucm", "capacity_gb": 100})
     assert store_summary(posix) == "posix at /data/ucm (capacity 100 GiB)"
-    unlimited = parse_store_config({"kind": "posix", "path": "/data/ucm"})
+    unlimited = parse_store_config({"kind": "posix", "path": "/data/ucm", "capacity_gb": None})
     assert "no capacity limit" in store_summary(unlimited)
+    auto = parse_store_config({"kind": "posix", "path": "/data/ucm"})
+    assert "capacity auto" in store_summary(auto)
     signed = parse_store_config({"kind": "posix", "path": "/x", "secret": "env:S"})
     assert store_summary(signed).endswith(", signed)")
     mooncake = parse_store_config({"kind": "mooncake", "master": "10.0.0.1:50051"})
     assert store_summary(mooncake) == "mooncake at 10.0.0.1:50051 (1 GiB given to the pool)"
     tiered = parse_store_config(
         {"kind": "tiered", "dram": {"path": "/dev/shm/u", "capacity_gb": 2},
-         "backing": {"kind": "posix", "path": "/d"}}
+         "backing": {"kind": "posix", "path": "/d", "capacity_gb": None}}
     )  # fmt: skip
     assert store_summary(tiered) == (
         "tiered: dram at /dev/shm/u (capacity 2 GiB) -> posix at /d (no capacity limit)"

@@ -33,6 +33,12 @@ def store_summary(store: Any) -> str:
     if kind == "mooncake":
         size_text = f"{store.global_segment_gb:g} GiB given to the pool"
     else:
-        size_text = "no capacity limit" if size is None else f"capacity {size:g} GiB"
+        size_text = (
+            "no capacity limit"
+            if size is None
+            else "capacity auto"
+            if size == "auto"
+            else f"capacity {size:g} GiB"
+        )
     signed = ", signed" if getattr(store, "secret", None) else ""
     return f"{kind} at {where} ({size_text}{signed})"

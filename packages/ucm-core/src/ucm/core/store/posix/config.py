@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from ucm.core.settings import (
+    GIB,
     MAX_SECONDS,
     ConfigError,
     boolean,
@@ -33,6 +34,37 @@ def default_store_path() -> str:
     return os.path.join(base, "ucm")
 
 
+#: ``capacity_gb`` that sizes the store from its filesystem's free space
+AUTO = "auto"
+#: the share of the free space (its own blocks included) an ``auto`` store takes
+AUTO_SHARE = 0.5
+
+
+def _capacity(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None or value == AUTO:
+        return
+    size_gib(inst, attribute, value)
+
+
+_capacity.allowed = "`auto`, null, or a number in (0, 1.07374e+09] GiB"  # type: ignore[attr-defined]
+
+
+def auto_capacity_bytes(path: str) -> int:
+    """Half of what the filesystem holding ``path`` has free, counting the blocks of a store
+    already at ``path`` as free (so that the capacity does not shrink as the store fills)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    st = os.statvfs(existing)
+    own = 0
+    try:  # the store's own count (ucm.core.store.posix.usage); a torn read only misjudges
+        with open(os.path.join(path, "usage"), "rb") as f:
+            own = max(0, int.from_bytes(f.read(8), "little", signed=True))
+    except OSError:
+        pass
+    return int(AUTO_SHARE * (st.f_bavail * st.f_frsize + own))
+
+
 @attrs.frozen
 class PosixStoreConfig:
     """A directory on a local disk or a shared mount (NFS, 3FS, ...): the embedded default."""
@@ -44,11 +76,13 @@ class PosixStoreConfig:
         factory=default_store_path,
         validator=non_empty_str,
     )
-    capacity_gb: float | None = setting(
+    capacity_gb: float | str | None = setting(
         "Size limit in GiB (2^30 bytes); least recently used blocks are evicted beyond it. "
+        "'auto': half of what the filesystem has free for the store when it opens (its own "
+        "blocks counted as free), logged, so that a store nobody sized never fills its disk. "
         "null: no limit.",
-        default=None,
-        validator=optional(size_gib),
+        default=AUTO,
+        validator=_capacity,
     )
     fsync: str = setting(
         "When to force data to stable storage: 'never' (a crash may lose recent blocks, "
@@ -108,7 +142,10 @@ class PosixStoreConfig:
 
     @property
     def capacity_bytes(self) -> int | None:
-        return gib_to_bytes(self.capacity_gb)
+        """The limit in bytes (``auto``: worked out from the filesystem now)."""
+        if self.capacity_gb == AUTO:
+            return auto_capacity_bytes(os.path.expanduser(self.path))
+        return gib_to_bytes(self.capacity_gb)  # type: ignore[arg-type]
 
     @property
     def io_thread_count(self) -> int:
@@ -127,8 +164,9 @@ class PosixStoreConfig:
         stays no limit)."""
         fa_gb: float | None = None
         wa_gb: float | None = None
-        if self.capacity_gb is not None:
-            fa_gb, wa_gb = split_gb(self.capacity_gb, wa_fraction)
+        capacity = self.capacity_bytes  # 'auto' is worked out once, for both
+        if capacity is not None:
+            fa_gb, wa_gb = split_gb(capacity / GIB, wa_fraction)
         return in_subfolders(self, fa_gb, wa_gb)
 
     def for_lookups_only(self) -> PosixStoreConfig:

@@ -39,13 +39,13 @@ from ucm.core.block_format import (
     payload_hasher,
     verify_payload,
 )
-from ucm.core.settings import ConfigError
+from ucm.core.settings import GIB, ConfigError
 from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.folder import check_before_creating, check_store_folder
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
 from ucm.core.store.posix.capacity import Capacity
-from ucm.core.store.posix.config import PosixStoreConfig
+from ucm.core.store.posix.config import AUTO, PosixStoreConfig
 from ucm.core.store.posix.fileio import (
     O_CLOEXEC,
     O_DIRECT,
@@ -101,6 +101,14 @@ class PosixStore(Store):
         self._blocks_dir = os.path.join(self.root, BLOCKS_DIR)
         self._usage: SharedUsage | None = None
         self._writer: tuple[str, int] | None = None  # this process's id and lock as a writer
+        self._limit = self.config.capacity_bytes  # 'auto' worked out once, here
+        if self.config.capacity_gb == AUTO and self._limit is not None:
+            log.info(
+                "ucm posix store %s: capacity %.1f GiB (auto: half of what its filesystem "
+                "has free; set store.capacity_gb to choose)",
+                self.root,
+                self._limit / GIB,
+            )
         try:
             self._prepare()
         except BaseException:
@@ -115,7 +123,7 @@ class PosixStore(Store):
             log.warning(
                 "ucm posix store %s is read-only: blocks are loaded, never stored", self.root
             )
-        self._capacity = Capacity(self.config.capacity_bytes, self.config.evict_fraction)
+        self._capacity = Capacity(self._limit, self.config.evict_fraction)
         self._direct = self.config.o_direct and bool(O_DIRECT)
         self._pool = ThreadPoolExecutor(self.config.io_thread_count, thread_name_prefix="ucm-posix")
         self._bounce = Bounce()
@@ -149,7 +157,7 @@ class PosixStore(Store):
                     os.mkdir(BLOCKS_DIR, 0o700, dir_fd=self._root_fd)
                 except FileExistsError:
                     pass
-                write_marker(self.root, self.config.capacity_bytes)
+                write_marker(self.root, self._limit)
                 self._usage = SharedUsage(self._root_fd)
                 self._writer = register_writer(self._root_fd, host_tag())
             except OSError as exc:
@@ -552,7 +560,8 @@ class PosixStore(Store):
         if self._capacity.refusal(stored):
             raise ConfigError(
                 "store.capacity_gb",
-                f"{self.config.capacity_gb} GiB cannot hold one block of {stored} bytes",
+                f"{self._capacity.limit} bytes ({self.config.capacity_gb}) cannot hold one "
+                f"block of {stored} bytes",
             )
 
     def close(self) -> None:
