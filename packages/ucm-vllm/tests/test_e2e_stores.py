@@ -37,13 +37,14 @@ def test_unusable_store_path_keeps_serving(reference, tiny_model, prompts, tmp_p
 
 
 def test_full_store_keeps_serving(reference, tiny_model, prompts, tmpfs):
-    # room for two of the six blocks the prompts need (260 KiB each)
+    # room for two of the six blocks the prompts need (260 KiB each), and no capacity limit
+    # (the default, half the free space, would evict before the disk fills)
     mnt = tmpfs("600k")
     run = run_engine(
         {
             "model": tiny_model,
             "prompts": prompts,
-            "store": {"kind": "posix", "path": str(mnt / "store")},
+            "store": {"kind": "posix", "path": str(mnt / "store"), "capacity_gb": None},
         }
     )
     assert_same_outputs(reference, run)
