@@ -248,3 +248,57 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         on_disk.shutdown()
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path):
+    """An in-place load whose read never finishes (memory swapped out, a stuck kernel):
+    the step waits ``load_timeout_s`` for the answer and as long again for the read to
+    stop, then reports the blocks as errors and stops reading into the engine's blocks."""
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+
+    class StuckStore(SharedMemoryStore):
+        """A shared-memory store whose reads hang until released (a real store below)."""
+
+        release = threading.Event()
+
+        def _load_one(self, key, out, layout):
+            self.release.wait(30)
+            return super()._load_one(key, out, layout)
+
+    layout = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP,))
+    chain = block_keys(layout.chain_namespace(None), list(range(64)), 32)
+    path = f"/dev/shm/ucm-test-{uuid.uuid4().hex[:12]}"
+    config = DramStoreConfig(path=path, capacity_gb=0.01)
+    cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
+    try:
+        writer = WorkerSide(layout, ConnectorStores(SharedMemoryStore(config), None), 1)
+        writer.register_kv_caches({LAYER: cache})
+        written = [Item(0, k, chain[k], [1 + k]) for k in range(2)]
+        writer.wait_for_save(StepPlan(dumps=[Transfer("cold", written)]))
+        writer.shutdown()
+
+        store = StuckStore(config)
+        reader = WorkerSide(
+            layout, ConnectorStores(store, None), 1, sync_loads=True, load_timeout_s=0.5
+        )
+        reader.register_kv_caches({LAYER: cache})
+        assert reader.in_place
+        started = time.monotonic()
+        loads = [Item(0, k, chain[k], [11 + k]) for k in range(2)]
+        reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))
+        assert time.monotonic() - started < 3  # 0.5 s for the answer, 0.5 s for the stop
+        assert reader.take_load_errors() == {11, 12}
+        assert not reader.in_place  # the next loads go through host rows
+        StuckStore.release.set()
+        reader.shutdown()
+    finally:
+        StuckStore.release.set()
+        shutil.rmtree(path, ignore_errors=True)

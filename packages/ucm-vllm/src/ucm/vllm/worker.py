@@ -183,10 +183,7 @@ class WorkerSide:
                     self.load_timeout_s,
                 )
                 if job.in_place:
-                    # The reads write the engine's blocks: none may land once vLLM has them
-                    # back.  A store that reads from memory stops at once.
-                    for _, task in job.tasks:
-                        task.cancel(wait=None)
+                    self._stop_in_place(job)
                 # Reads still in flight may land in these rows later: never reuse them.
                 job.rows = []
             usable = job.transfer.req_id not in failed
@@ -194,6 +191,22 @@ class WorkerSide:
                 failed.add(job.transfer.req_id)
             if following is not None:
                 job = following
+
+    def _stop_in_place(self, job: LoadJob) -> None:
+        """Stop the reads of a late in-place load: they write the engine's blocks, and none
+        may land once vLLM has them back.  A store that reads from memory stops at once;
+        one whose reads do not stop within ``load_timeout_s`` more is no longer trusted with
+        the engine's blocks (the wait is bounded: later loads go through host rows)."""
+        until = time.monotonic() + self.load_timeout_s
+        stopped = [task.cancel(wait=max(0.0, until - time.monotonic())) for _, task in job.tasks]
+        if not all(stopped):
+            self.in_place = False
+            log.error(
+                "ucm: request %s: reads into the engine's blocks did not stop in %.1f s more; "
+                "from now on loads go through host rows",
+                job.transfer.req_id,
+                self.load_timeout_s,
+            )
 
     def _pieces(self, transfer: Transfer) -> list[Transfer]:
         """``transfer`` cut into runs of items of about ``PIECE_BYTES``."""

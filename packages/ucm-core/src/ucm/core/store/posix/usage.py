@@ -30,7 +30,23 @@ from ucm.core.store.posix.fileio import O_CLOEXEC
 USAGE_FILE = "usage"
 EVICTING_FILE = "evicting"
 _COUNT = struct.Struct("<qq")
+#: Seconds a process waits for another's hold on the count before its write fails.
+LOCK_WAIT_S = 10.0
 _FLAGS = os.O_RDWR | os.O_CREAT | O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+
+def peek(root: str) -> tuple[int, int]:
+    """The count of the store at ``root`` read without its lock, ``(0, 0)`` where there is
+    none: an estimate, for sizing (a torn read misjudges it, nothing more)."""
+    try:
+        with open(os.path.join(root, USAGE_FILE), "rb") as f:
+            data = f.read(_COUNT.size)
+    except OSError:
+        return 0, 0
+    if len(data) < _COUNT.size:
+        return 0, 0
+    used, blocks = _COUNT.unpack(data)
+    return max(0, used), max(0, blocks)
 
 
 class SharedUsage:
@@ -54,11 +70,12 @@ class SharedUsage:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        # Held for a read and a write of 16 bytes: microseconds, so a plain wait.
+        # Held for a read and a write of 16 bytes: microseconds.  Still bounded: a holder
+        # stopped (SIGSTOP, a frozen container) must not stop every writer of the store.
         with self._thread_lock:
             if self._fd < 0:
                 raise ValueError("the store's usage count is closed")
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            _lock_within(self._fd, LOCK_WAIT_S, "the store's usage count")
             try:
                 yield
             finally:
@@ -121,17 +138,11 @@ class SharedUsage:
             yield False
             return
         try:
-            while True:
-                try:
-                    fcntl.flock(self._evicting, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if time.monotonic() >= deadline:
-                        yield False
-                        return
-                    time.sleep(0.005)
+            try:
+                _lock_within(self._evicting, deadline - time.monotonic(), "an eviction pass")
+            except TimeoutError:
+                yield False
+                return
             try:
                 yield True
             finally:
@@ -145,3 +156,18 @@ class SharedUsage:
                 os.close(self._fd)
                 os.close(self._evicting)
                 self._fd = -1
+
+
+def _lock_within(fd: int, seconds: float, what: str) -> None:
+    """``flock`` ``fd`` exclusively, waiting at most ``seconds`` (``TimeoutError``)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} stayed locked by another process for {seconds:g} s")
+        time.sleep(0.001)
