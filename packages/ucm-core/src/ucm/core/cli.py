@@ -9,8 +9,9 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any
 
 from tqdm import tqdm
 from ucm.core.block_format import FORMAT_VERSION
@@ -145,15 +146,23 @@ def _verify(root: str, signer: BlockSigner | None, remove: bool) -> int:
     return 1 if left else 0
 
 
-def _capacity_gb(text: str) -> float:
-    """``--capacity-gb``: a positive, finite number of GiB."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_GIB):
-        raise argparse.ArgumentTypeError(f"must be a number in (0, {MAX_GIB:g}], got {text}")
-    return value
+def positive_number(kind: type, high: float) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` in (0, ``high``] (so never inf or nan)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (math.isfinite(value) and 0 < value <= high):
+            raise argparse.ArgumentTypeError(f"must be a number in (0, {high:g}], got {text}")
+        return value
+
+    return parse
+
+
+#: ``--capacity-gb``: a positive, finite number of GiB
+_capacity_gb = positive_number(float, MAX_GIB)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

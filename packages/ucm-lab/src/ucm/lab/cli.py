@@ -4,29 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import math
-from typing import Any
+
+from ucm.core.cli import positive_number
 
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
     from ucm.lab.core.bench import run_store_bench
 
     return run_store_bench(args)
-
-
-def _positive(kind: type, high: float) -> Any:
-    """An argparse type: a number of ``kind`` in (0, ``high``]."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not (math.isfinite(value) and 0 < value <= high):
-            raise argparse.ArgumentTypeError(f"must be a number in (0, {high:g}], got {text}")
-        return value
-
-    return parse
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -42,20 +27,20 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bstore.add_argument(
         "--total-gb",
-        type=_positive(float, 1 << 20),
+        type=positive_number(float, 1 << 20),
         default=1.0,
         help="GiB moved per store and block size (default 1)",
     )
     bstore.add_argument(
         "--block-kib",
-        type=_positive(int, 1 << 22),
+        type=positive_number(int, 1 << 22),
         nargs="+",
         default=[2048, 256],
         help="block sizes in KiB (default 2048 256)",
     )
     bstore.add_argument(
         "--repeat",
-        type=_positive(int, 1000),
+        type=positive_number(int, 1000),
         default=3,
         help="runs per case, best kept (default 3)",
     )

@@ -63,13 +63,19 @@ def check_store_folder(path: str, *, shared: bool, key: str = "store.path") -> s
     return real
 
 
+def nearest_existing(path: str) -> str:
+    """``path``, or its nearest parent that exists (absolute; links not resolved)."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
 def check_before_creating(path: str, *, shared: bool, key: str = "store.path") -> None:
     """Refuse to create ``path`` below a folder that another user can change: the part of
     it that exists already is checked like a store's parents, so that nothing is made
     through another user's link or in another user's folder."""
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(path)
     if existing == os.path.abspath(path):
         return  # the folder exists: check_store_folder judges it
     real = _walk(existing, key, shared, store=False)

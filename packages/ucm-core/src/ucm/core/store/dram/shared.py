@@ -16,6 +16,7 @@ import os
 
 from ucm.core.settings import GIB, ConfigError
 from ucm.core.store.dram.config import DramStoreConfig
+from ucm.core.store.folder import nearest_existing
 from ucm.core.store.posix.config import PosixStoreConfig
 from ucm.core.store.posix.store import PosixStore
 
@@ -44,7 +45,7 @@ class SharedMemoryStore(PosixStore):
 def check_memory_filesystem(path: str, capacity_bytes: int) -> None:
     """Raise a ``ConfigError`` unless ``path`` lies on a memory filesystem that can hold
     ``capacity_bytes``."""
-    existing = _existing_ancestor(path)
+    existing = os.path.realpath(nearest_existing(path))
     found = mount_of(existing)
     if found is None:
         raise ConfigError(
@@ -68,13 +69,6 @@ def check_memory_filesystem(path: str, capacity_bytes: int) -> None:
             f"{size / GIB:.3g} GiB in all (a container's /dev/shm is 64 MiB unless it is "
             "started with a larger --shm-size): lower capacity_gb or enlarge the filesystem",
         )
-
-
-def _existing_ancestor(path: str) -> str:
-    current = os.path.abspath(path)
-    while not os.path.exists(current):
-        current = os.path.dirname(current)
-    return os.path.realpath(current)
 
 
 def mount_of(path: str) -> tuple[str, str] | None:

@@ -52,16 +52,12 @@ _capacity.allowed = "`auto`, null, or a number in (0, 1.07374e+09] GiB"  # type:
 def auto_capacity_bytes(path: str) -> int:
     """Half of what the filesystem holding ``path`` has free, counting the blocks of a store
     already at ``path`` as free (so that the capacity does not shrink as the store fills)."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    st = os.statvfs(existing)
-    own = 0
-    try:  # the store's own count (ucm.core.store.posix.usage); a torn read only misjudges
-        with open(os.path.join(path, "usage"), "rb") as f:
-            own = max(0, int.from_bytes(f.read(8), "little", signed=True))
-    except OSError:
-        pass
+    # here, not at the top: the posix package imports this module first
+    from ucm.core.store.folder import nearest_existing
+    from ucm.core.store.posix.usage import peek
+
+    st = os.statvfs(nearest_existing(path))
+    own, _ = peek(path)
     return int(AUTO_SHARE * (st.f_bavail * st.f_frsize + own))
 
 
