@@ -766,3 +766,68 @@ def test_a_hostile_marker_does_not_crash_ucm_store_stats(base, marker):
     # the store itself opens over it, and puts a marker of its own in its place
     PosixStore(PosixStoreConfig(path=str(root), capacity_gb=1.0)).close()
     assert '"capacity_bytes": 1073741824' in ucm_cli("store", "stats", "--json", str(root)).stdout
+
+
+# --- 8. removals and temporary files -------------------------------------------------------------
+
+
+def test_a_folder_swapped_for_a_link_after_a_scan_redirects_no_removal(tmp_path):
+    """Eviction deletes what a scan listed, later: a block folder swapped meanwhile for a link
+    to somewhere else must not make it delete files there."""
+    from ucm.core.store.posix import evict_lru, scan_store
+    from ucm.core.store.posix.fileio import open_dir
+
+    root = tmp_path / "store"
+    s = PosixStore(PosixStoreConfig(path=str(root), capacity_gb=None))
+    keys = [key_of(i, b"swap") for i in range(8)]
+    assert all(r.ok for r in s.wait(s.dump(keys, [payload(i) for i in range(len(keys))])))
+    s.close()
+    scan = scan_store(str(root))
+    decoy = tmp_path / "elsewhere"
+    for block in scan.blocks:  # files of the same names outside the store
+        (decoy / block.name[:2]).mkdir(parents=True, exist_ok=True)
+        (decoy / block.name[:2] / block.name).write_bytes(b"not the store's")
+    for sub in {b.name[:2] for b in scan.blocks}:  # the swap
+        (root / "blocks" / sub).rename(tmp_path / f"moved-{sub}")
+        (root / "blocks" / sub).symlink_to(decoy / sub)
+    root_fd = open_dir(str(root))
+    try:
+        evict_lru(scan, 0, root_fd)
+    finally:
+        os.close(root_fd)
+    left = [p for p in decoy.rglob("*") if p.is_file()]
+    assert len(left) == len(scan.blocks), "a removal followed the swapped-in link"
+
+
+@needs_root
+def test_a_dead_writer_in_another_pid_namespace_leaves_no_temporary_file_for_good(tmp_path):
+    """A writer in a container (its own PID namespace, here pid 1) dies with a temporary file:
+    the next store removes it, since its lock is free, whatever its pid means here."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare")
+    root = tmp_path / "store"
+    PosixStore(PosixStoreConfig(path=str(root))).close()
+    script = (
+        "import os\n"
+        "from ucm.core.config import PosixStoreConfig\n"
+        "from ucm.core.store import PosixStore\n"
+        f"s = PosixStore(PosixStoreConfig(path={str(root)!r}))\n"
+        "assert os.getpid() == 1, os.getpid()\n"
+        "sub = os.path.join(s.root, 'blocks', 'ab')\n"
+        "os.makedirs(sub, exist_ok=True)\n"
+        "open(os.path.join(sub, '.ab' + '0' * 30 + '~' + s._writer[0] + '.tmp'), 'wb').close()\n"
+        "os._exit(0)\n"  # killed mid-write: nothing closed, nothing removed
+    )
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+    )
+    if done.returncode != 0 and "unshare" in done.stderr:
+        pytest.skip(f"cannot make a PID namespace: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    temps = list((root / "blocks").rglob(".*.tmp"))
+    assert len(temps) == 1 and "~1~" in temps[0].name  # pid 1: alive, judged by the pid
+    PosixStore(PosixStoreConfig(path=str(root))).close()  # its first scan runs to the end
+    assert list((root / "blocks").rglob(".*.tmp")) == []
