@@ -44,6 +44,25 @@ def test_config_file(tmp_path):
     assert config.block_tokens == 128 and config.store == PosixStoreConfig(path="/data/ucm")
 
 
+def test_ucm_config_file_names_the_settings_when_the_extra_config_has_none(tmp_path, caplog):
+    f = tmp_path / "ucm.yaml"
+    f.write_text("block_tokens: 64\nstore: {kind: dram, capacity_gb: 1}\n")
+    env = {"UCM_CONFIG_FILE": str(f)}
+    config = connector_config(None, env)
+    assert config.block_tokens == 64 and isinstance(config.store, DramStoreConfig)
+    assert connector_config({}, env).block_tokens == 64
+    # settings of its own win, and the user is told that the file is ignored
+    assert connector_config({"block_tokens": 32}, env).block_tokens == 32
+    assert "UCM_CONFIG_FILE" in caplog.text and "ignored" in caplog.text
+    with pytest.raises(ConfigError, match="UCM_CONFIG_FILE: is set but empty"):
+        connector_config(None, {"UCM_CONFIG_FILE": " "})
+    with pytest.raises(ConfigError, match="no_such.yaml"):
+        connector_config(None, {"UCM_CONFIG_FILE": str(tmp_path / "no_such.yaml")})
+    f.write_text("block_tokenz: 64\n")
+    with pytest.raises(ConfigError, match="block_tokenz: unknown setting"):
+        connector_config(None, env)
+
+
 def test_block_tokens_must_cover_whole_engine_blocks(tmp_path):
     from ucm.lab.testing.vllm.scheduler import full_attention_kv_cache_config, make_vllm_config
     from ucm.vllm.config import ConnectorConfig

@@ -131,6 +131,44 @@ def test_dumped_blocks_load_into_another_workers_cache(tmp_path, device, sync_lo
     reader.shutdown()
 
 
+def finish_dumps(worker: WorkerSide, req_id: str) -> None:
+    deadline = time.monotonic() + 30
+    sending: set[str] = set()
+    while req_id not in sending and time.monotonic() < deadline:
+        sending |= worker.get_transfer_results(set())[0]
+        time.sleep(0.01)
+    assert req_id in sending
+
+
+def test_evictions_and_load_errors_are_counted_by_cause(tmp_path):
+    # what an operator alerts on: blocks evicted for room, and why blocks failed to load
+    block = 8 * 2 * 32 * 128 * 2  # 8 engine blocks of bf16 K and V
+    config = PosixStoreConfig(path=str(tmp_path / "store"), capacity_gb=3.5 * block / 2**30)
+    writer, _ = worker_on(PosixStore(config))
+    items = chain_items(4)
+    for k, item in enumerate(items):  # one at a time: block 0 is the least recently used
+        writer.wait_for_save(StepPlan(dumps=[Transfer(f"r{k}", [item])], delayed=[f"r{k}"]))
+        finish_dumps(writer, f"r{k}")
+    counts = writer.stats.take()
+    assert counts["dumped_blocks"] == 4 and counts["evicted_blocks"] >= 1, counts
+    assert not any(v for k, v in counts.items() if k.startswith("dump_errors")), counts
+    writer.shutdown()
+
+    store = PosixStore(config)
+    present = store.lookup(writer._keys(items))
+    assert present[0] is False and present[3] is True, present  # block 0 went first
+    reader, _ = worker_on(store, seed=1)
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", items)]))
+    deadline = time.monotonic() + 30
+    while "warm" not in reader.get_transfer_results(set())[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    counts = reader.stats.take()
+    # block 0 is missing, and the three after it cannot be used (a hit is a prefix)
+    assert counts["load_errors:miss"] == 1 and counts["load_errors:after_failed"] == 3, counts
+    assert counts["loaded_blocks"] == 0
+    reader.shutdown()
+
+
 def test_preemption_does_not_wait_for_dumps(tmp_path):
     # The blocks are copied to host rows when the dump is planned, so the engine may reuse
     # them at once: a preemption has nothing to wait for, and must neither stall the step

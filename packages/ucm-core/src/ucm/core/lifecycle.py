@@ -17,6 +17,7 @@ request's state is dropped when it ends, so the tracker holds nothing for finish
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Hashable, Iterable
 
 import attrs
@@ -27,10 +28,11 @@ log = logging.getLogger(__name__)
 
 @attrs.define
 class DumpCounts:
-    """Blocks dumped (or already stored) and blocks whose dump failed."""
+    """Blocks dumped (or already stored) and blocks whose dump failed, by status."""
 
     ok: int = 0
     failed: int = 0
+    failed_by_status: Counter[str] = attrs.field(factory=Counter)  # Status values
 
     def add(self, results: Iterable[KeyResult]) -> None:
         for result in results:
@@ -38,6 +40,7 @@ class DumpCounts:
                 self.ok += 1
             else:
                 self.failed += 1
+                self.failed_by_status[result.status.value] += 1
 
 
 class DumpTracker:

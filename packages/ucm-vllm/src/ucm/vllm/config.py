@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +26,8 @@ from ucm.core.settings import (
     setting,
     with_config_file,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -112,10 +116,30 @@ class ConnectorConfig:
             )
 
 
-def connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
-    """Build from ``kv_connector_extra_config`` (with ``config_file`` resolved)."""
-    data = with_config_file(extra or {})
-    return from_dict(ConnectorConfig, data, "kv_connector_extra_config")
+#: names a YAML file of settings when ``kv_connector_extra_config`` holds none (as
+#: FastDeploy's backend reads it): one file for every process and engine of a deployment
+CONFIG_FILE_ENV = "UCM_CONFIG_FILE"
+
+
+def connector_config(
+    extra: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+) -> ConnectorConfig:
+    """Build from ``kv_connector_extra_config`` (with ``config_file`` resolved), or from
+    the file ``UCM_CONFIG_FILE`` names when that holds no setting."""
+    data = dict(extra or {})
+    path = environ.get(CONFIG_FILE_ENV)
+    if path is not None and not data:
+        if not path.strip():
+            raise ConfigError(CONFIG_FILE_ENV, "is set but empty; name a YAML file or unset it")
+        data = {"config_file": path}
+    elif path:
+        log.warning(
+            "UCMConnector: %s=%s is ignored: kv_connector_extra_config has settings of its "
+            "own (name the file there as config_file to use both)",
+            CONFIG_FILE_ENV,
+            path,
+        )
+    return from_dict(ConnectorConfig, with_config_file(data), "kv_connector_extra_config")
 
 
 def sync_loads(config: ConnectorConfig, num_groups: int) -> bool:

@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from ucm.vllm.config import connector_config, sync_loads
+from ucm.vllm.gauges import GaugeSampler
 from ucm.vllm.layout import describe
 from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
@@ -70,8 +71,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.gauges: GaugeSampler | None = None
         if role == KVConnectorRole.SCHEDULER:
             _log_start(self.config, self.layout)
+            self.gauges = GaugeSampler(stores)  # the store as a whole: one side reports it
             self.scheduler = SchedulerSide(
                 self.layout,
                 stores,
@@ -169,6 +172,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
+        if self.gauges is not None:
+            self.gauges.close()
         if self.worker is not None:
             self.worker.shutdown()
         elif self.scheduler is not None and self.scheduler.stores is not None:
@@ -178,8 +183,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> UCMStats | None:
         side = self.scheduler or self.worker
-        counts = side.stats.take() if side is not None else None
-        return UCMStats(data=counts) if counts else None
+        data = {
+            **((side.stats.take() if side is not None else None) or {}),
+            **((self.gauges.take() if self.gauges is not None else None) or {}),
+        }
+        return UCMStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UCMStats | None:

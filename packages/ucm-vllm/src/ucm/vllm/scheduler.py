@@ -36,6 +36,7 @@ class RequestState:
     loaded_to: int = 0  # tokens the last planned load makes computed; 0 once checked
     load_step: bool = False  # scheduled with a sync load this step: no dumps planned in it
     load_failed: bool = False  # a load of this request failed: it is not loaded again
+    counted: bool = False  # its lookup is counted (vLLM may ask again while it waits)
 
     def settle_load(self, computed: int, block_tokens: int) -> None:
         """Check the last planned load against the tokens vLLM counts as computed.  Short of
@@ -164,10 +165,16 @@ class SchedulerSide:
             return 0, False
         bt = self.layout.block_tokens
         floor = num_computed_tokens // bt
+        if not state.counted:
+            state.counted = True
+            self.stats.add(
+                lookup_requests=1, lookup_tokens=max(0, request.num_tokens - num_computed_tokens)
+            )
         try:
             state.hit = self._usable_hit(state.chain, floor)
         except Exception as exc:  # noqa: BLE001 - a failing store means no hit, not an error
             log.warning("ucm: store lookup failed, recomputing: %s", exc)
+            self.stats.add(lookup_errors=1)
             state.hit = 0
         state.local = num_computed_tokens
         state.wa_after = max(state.wa_after, floor)

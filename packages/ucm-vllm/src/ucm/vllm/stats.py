@@ -1,11 +1,12 @@
-"""Connector statistics: counters summed across workers, logged and exported to Prometheus."""
+"""Connector statistics: counters summed across workers, gauges from the scheduler, logged
+with vLLM's stats and exported to Prometheus (see :mod:`ucm.vllm.counters` for the names)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from ucm.vllm.counters import FIELDS
+from ucm.vllm.counters import CAUSES, COUNTERS, FIELDS, GAUGES
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -25,13 +26,26 @@ class UCMStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> UCMStats:
         for name in FIELDS:
             self.data[name] += other.data.get(name, 0)
+        for name in GAUGES:  # sampled: the newer wins
+            if name in other.data:
+                self.data[name] = other.data[name]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {name: self.data[name] for name in FIELDS}
+        """What vLLM logs: the counters that moved, and the gauges."""
+        moved = {name: self.data[name] for name in FIELDS if self.data[name]}
+        return {**moved, **{name: self.data[name] for name in GAUGES if name in self.data}}
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in FIELDS)
+        return not any(self.data[name] for name in FIELDS) and not any(
+            name in self.data for name in GAUGES
+        )
+
+
+def metric_name(name: str) -> str:
+    """The Prometheus name of counter or gauge ``name`` (counters gain ``_total`` when
+    exposed)."""
+    return f"vllm:ucm_{name}"
 
 
 class UCMPromMetrics(KVConnectorPromMetrics):
@@ -45,16 +59,35 @@ class UCMPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters = {
             name: self._counter_cls(
-                name=f"vllm:ucm_{name}",
+                name=metric_name(name),
+                documentation=doc,
+                labelnames=[*labelnames, "cause"] if name in CAUSES else labelnames,
+            )
+            for name, doc in COUNTERS.items()
+        }
+        self.gauges = {
+            name: self._gauge_cls(
+                name=metric_name(name),
                 documentation=doc,
                 labelnames=labelnames,
+                multiprocess_mode="mostrecent",
             )
-            for name, doc in FIELDS.items()
+            for name, doc in GAUGES.items()
         }
+        # Every counter's series from zero, so that a dashboard or an alert sees a rate of
+        # 0 rather than no data before the first error.
+        for labels in per_engine_labelvalues.values():
+            for name, counter in self.counters.items():
+                for cause in CAUSES.get(name, [None]):
+                    counter.labels(*labels, *([cause] if cause else []))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
-        for name, counter in self.counters.items():
-            value = transfer_stats_data.get(name, 0)
+        for field in FIELDS:
+            value = transfer_stats_data.get(field, 0)
             if value:
-                counter.labels(*labels).inc(value)
+                name, _, cause = field.partition(":")
+                self.counters[name].labels(*labels, *([cause] if cause else [])).inc(value)
+        for name, gauge in self.gauges.items():
+            if name in transfer_stats_data:
+                gauge.labels(*labels).set(transfer_stats_data[name])

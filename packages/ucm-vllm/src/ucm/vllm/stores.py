@@ -51,6 +51,10 @@ class ConnectorStores:
         self.of(group).check_block_bytes(nbytes)
 
     @property
+    def evicted_blocks(self) -> int:
+        return self.full.evicted_blocks + (self.window.evicted_blocks if self.window else 0)
+
+    @property
     def read_only(self) -> bool:
         return self.full.read_only or (self.window is not None and self.window.read_only)
 

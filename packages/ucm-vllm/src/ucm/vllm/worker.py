@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -101,6 +101,7 @@ class WorkerSide:
         self.load_error_blocks: set[int] = set()
         self.delayed: list[str] = []
         self.stats = Counters()
+        self._evicted_seen = 0  # the stores' eviction count when last reported
         self.in_place = False  # sync loads read straight into the cache (register_kv_caches)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -303,9 +304,11 @@ class WorkerSide:
         self.stats.add(
             loaded_blocks=use.count(True),
             loaded_bytes=sum(self._item_bytes(it) for it, u in zip(items, use) if u),
-            load_errors=use.count(False),
             load_seconds=time.perf_counter() - job.started,
         )
+        for result, used in zip(results, use):
+            if not used:
+                self.stats.add_cause("load_errors", _load_error_cause(result, usable))
         return all_ok
 
     def _group(self, item: Item) -> GroupLayout:
@@ -358,7 +361,7 @@ class WorkerSide:
             task = store.dump(self._keys(items), row_buffers(rows), LAYOUT_TAG)
         except Exception as exc:  # noqa: BLE001 - a failing store never stops serving
             log.warning("ucm: dump for request %s failed: %s", req_id, exc)
-            self.stats.add(dump_errors=len(items))
+            self.stats.add_cause("dump_errors", "unavailable", len(items))
             self.rows.give(rows)
             return
         task.add_done_callback(lambda _task: self.rows.give(rows))
@@ -388,16 +391,24 @@ class WorkerSide:
                 # vLLM takes per-block errors only for single-group models; otherwise the
                 # request is recomputed from its local prefix.
                 failed.add(req_id)
-        before_ok, before_failed = self.tracker.counts.ok, self.tracker.counts.failed
+        counts = self.tracker.counts
+        before_ok, before_failed = counts.ok, Counter(counts.failed_by_status)
         self.tracker.reap()
         sending = {r for r in self.delayed if not self.tracker.finish(r)}
         self.delayed = []
         sending |= self.tracker.pop_finished()
-        self.stats.add(
-            dumped_blocks=self.tracker.counts.ok - before_ok,
-            dump_errors=self.tracker.counts.failed - before_failed,
-        )
+        self.stats.add(dumped_blocks=counts.ok - before_ok)
+        for status, count in (counts.failed_by_status - before_failed).items():
+            self.stats.add_cause("dump_errors", status, count)
+        self._count_evictions()
         return sending, recving, failed
+
+    def _count_evictions(self) -> None:
+        if self.stores is None:
+            return
+        evicted = self.stores.evicted_blocks
+        self.stats.add(evicted_blocks=evicted - self._evicted_seen)
+        self._evicted_seen = evicted
 
     def _drop_load(self, job: LoadJob) -> None:
         quiet = all([task.cancel() for _, task in job.tasks])  # a list: cancel every task
@@ -415,6 +426,14 @@ class WorkerSide:
         self.tracker.flush_all(timeout=10.0)
         if self.stores is not None:
             self.stores.close()
+
+
+def _load_error_cause(result: KeyResult | None, usable: bool) -> str:
+    """Why a block was not loaded: the store's answer, none in time (or no store), or an
+    earlier block of the request failed (a hit is a prefix)."""
+    if result is not None and not result.ok:
+        return result.status.value
+    return "no_answer" if result is None and usable else "after_failed"
 
 
 def _shape(item: Item) -> tuple[int, int]:

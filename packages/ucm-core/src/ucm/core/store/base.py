@@ -28,6 +28,9 @@ class StoreUsage:
     blocks: int
     bytes: int
     capacity_bytes: int | None
+    #: whether blocks and bytes count the whole store (false for a Mooncake client, which
+    #: knows only what it put: the cluster's totals are its master's metrics)
+    whole_store: bool = True
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
@@ -60,6 +63,18 @@ class Store(abc.ABC):
         ends at once (nothing to wait on, no device or network that may hang): a caller may
         then read straight into memory it must take back, such as an engine's cache."""
         return False
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the store answers now: false while a remote store's link is down (its
+        lookups miss and its dumps fail until it is back); a local store, once open, is."""
+        return True
+
+    @property
+    def evicted_blocks(self) -> int:
+        """Blocks this store object evicted to make room since it opened (another process's
+        evictions are its own; evictions a remote store makes itself are not seen)."""
+        return 0
 
     @abc.abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:

@@ -88,6 +88,7 @@ class DramStore(Store):
         self._arena = Arena(self._capacity, preallocate=self.config.preallocate)
         self._blocks: OrderedDict[bytes, tuple[bytes, memoryview]] = OrderedDict()
         self._bytes = 0
+        self._evicted = 0
         # Copies happen under the lock, so eviction never frees a block being read.
         self._lock = threading.Lock()
 
@@ -99,9 +100,14 @@ class DramStore(Store):
         views = check_batch(keys, buffers, writable=False)
         return Task.completed([self._put(bytes(k), v, layout) for k, v in zip(keys, views)])
 
+    @property
+    def evicted_blocks(self) -> int:
+        return self._evicted
+
     def _evict_one(self) -> None:
         _, (_, old) = self._blocks.popitem(last=False)
         self._bytes -= old.nbytes
+        self._evicted += 1
         self._arena.release(old)
 
     def _put(self, key: bytes, payload: Payload, layout: bytes) -> KeyResult:

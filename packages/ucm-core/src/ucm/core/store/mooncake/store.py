@@ -169,6 +169,10 @@ class MooncakeStore(Store):
         return self._link.up
 
     @property
+    def reachable(self) -> bool:
+        return self._link.up
+
+    @property
     def master_failures(self) -> int:
         """Times the master was found unreachable."""
         return self._link.failures
@@ -466,7 +470,12 @@ class MooncakeStore(Store):
         """What this client put (the cluster's own totals are the master's metrics), and the
         memory this client gives the pool."""
         with self._lock:
-            return StoreUsage(self._put_blocks, self._put_bytes, self.config.global_segment_bytes)
+            return StoreUsage(
+                self._put_blocks,
+                self._put_bytes,
+                self.config.global_segment_bytes,
+                whole_store=False,
+            )
 
     def check_block_bytes(self, nbytes: int) -> None:
         stored = HEADER_BYTES + nbytes

@@ -133,6 +133,7 @@ class PosixStore(Store):
         # blocks this process published while the first scan ran: counted by their writer
         self._published_before_scan: set[str] = set()
         self._errors = 0
+        self._evicted = 0  # blocks this object's eviction passes removed
         self._closed = False
         # The first scan (stale temporary files, the count checked against the disk) runs
         # beside the engine's start-up; only a dump that needs a count no process has made
@@ -295,6 +296,8 @@ class PosixStore(Store):
             target = self._capacity.eviction_target(size)
         remaining = evict_lru(scan, target, self._root_fd, skip=reading)
         removed = (scan.bytes - remaining[0], len(scan.blocks) - remaining[1])
+        with self._lock:
+            self._evicted += removed[1]
         return self._usage.resync(remaining, before, removed)[0]
 
     def _release(self, size: int) -> None:
@@ -554,6 +557,10 @@ class PosixStore(Store):
     @property
     def errors(self) -> int:
         return self._errors
+
+    @property
+    def evicted_blocks(self) -> int:
+        return self._evicted
 
     def check_block_bytes(self, nbytes: int) -> None:
         stored = HEADER_BYTES + nbytes

@@ -115,6 +115,14 @@ class TieredStore(Store):
         """The backing store's usage: the local tier only caches what it holds."""
         return self.backing.usage()
 
+    @property
+    def reachable(self) -> bool:
+        return self.backing.reachable  # the local tier is on this host
+
+    @property
+    def evicted_blocks(self) -> int:
+        return self.backing.evicted_blocks  # what the local tier drops, the backing holds
+
     def close(self) -> None:
         self.backing.close()
         self.front.close()

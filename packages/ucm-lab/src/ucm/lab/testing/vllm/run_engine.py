@@ -95,7 +95,10 @@ def main() -> None:
     metrics = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:ucm_") or metric.name == "vllm:num_preemptions":
-            metrics[metric.name] = getattr(metric, "value", None)
+            # summed over labels: a counter by cause is a series per cause
+            value = getattr(metric, "value", None)
+            if value is not None:
+                metrics[metric.name] = metrics.get(metric.name, 0) + value
     result["metrics"] = metrics
     print("RESULT " + json.dumps(result), flush=True)
 
