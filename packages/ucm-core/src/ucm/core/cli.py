@@ -18,6 +18,7 @@ from ucm.core.block_format import FORMAT_VERSION
 from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
 from ucm.core.settings import GIB, MAX_GIB, ConfigError
 from ucm.core.signing import BlockSigner, signer_for
+from ucm.core.sizing import DEFAULT_BLOCK_TOKENS, KV_CACHE_DTYPES
 from ucm.core.store.posix import (
     BLOCKS_DIR,
     NEEDS_SECRET,
@@ -233,6 +234,11 @@ def cmd_model_id(args: argparse.Namespace) -> int:
 
     from ucm.core.model_identity import weight_files, weights_digest
 
+    if args.size:
+        return _model_size(args)
+    given = [f"--{o.replace('_', '-')}" for o in SIZE_OPTIONS if getattr(args, o) is not None]
+    if given:
+        raise CliError(f"{', '.join(given)}: only with --size")
     files = weight_files(args.path)
     if not files:
         raise CliError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {args.path!r}")
@@ -248,6 +254,83 @@ def cmd_model_id(args: argparse.Namespace) -> int:
     print(f"weights   {digest}")
     print(f"files     {len(files)}, {_human(size)}")
     print(f"seconds   {seconds:.3f} ({args.weights_digest})")
+    return 0
+
+
+#: the options of ``model-id --size`` (None: not given)
+SIZE_OPTIONS = ("kv_cache_dtype", "tensor_parallel_size", "block_tokens", "capacity_gb")
+
+
+def _model_size(args: argparse.Namespace) -> int:
+    """``model-id --size``: a model's KV bytes per token and block, from its config.json,
+    and what a capacity holds."""
+    from ucm.core.sizing import SizingError, model_kv_size
+
+    try:
+        size = model_kv_size(
+            args.path,
+            kv_cache_dtype=args.kv_cache_dtype or "auto",
+            tensor_parallel_size=args.tensor_parallel_size or 1,
+            block_tokens=args.block_tokens or DEFAULT_BLOCK_TOKENS,
+        )
+        capacity_gb = args.capacity_gb if args.capacity_gb is not None else 1.0
+        holding = size.holds(int(capacity_gb * GIB))
+    except SizingError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps(size.as_dict(holding)))
+        return 0
+    shape, tp = size.shape, size.tensor_parallel_size
+    layers = f"{shape.full_layers} layers"
+    if shape.window_layers:
+        layers = (
+            f"{shape.full_layers + shape.window_layers} layers: {shape.full_layers} full "
+            f"attention, {shape.window_layers} with a {shape.window_tokens}-token window"
+        )
+    if shape.attention == "MLA":
+        lora, rope = shape.mla_dims or (0, 0)
+        kv = f"MLA, one latent of {lora} + {rope} values per token and layer"
+    else:
+        kv = f"{shape.attention}, {shape.kv_heads} KV heads of {shape.head_dim}"
+        if tp > 1:
+            kv += f", {size.kv_heads_per_rank} per rank"
+    per_token = f"{size.bytes_per_token} B ({_human(size.bytes_per_token)})"
+    if size.writers > 1:
+        per_token += f" per rank, {size.writers * size.bytes_per_token} B on {tp} ranks"
+    elif tp > 1:
+        per_token += f" on every rank, stored once for all {tp}"
+    print(f"model      {shape.model}, {layers}")
+    print(f"kv         {kv}")
+    print(f"dtype      {size.kv_cache_dtype}, {size.dtype_bytes} B per value")
+    print(f"per token  {per_token}")
+    print(
+        f"block      {size.block_tokens} tokens: {size.block_payload_bytes} B payload + "
+        f"{size.block_bytes - size.block_payload_bytes} B header = {size.block_bytes} B "
+        f"({_human(size.block_bytes)})" + (" per rank" if size.writers > 1 else "")
+    )
+    if size.tail_bytes:
+        print(
+            f"tail       {size.tail_tokens} tokens of the window layers, {size.tail_bytes} B "
+            f"({_human(size.tail_bytes)}) at each block boundary"
+            + (" per rank" if size.writers > 1 else "")
+        )
+    blocks = f"{holding.blocks} blocks"
+    if size.writers > 1:
+        blocks += f" ({holding.blocks // size.writers} per rank)"
+    share = (
+        f" (the full-attention share, {_human(holding.full_capacity_bytes)})"
+        if size.tail_bytes
+        else ""
+    )
+    print(
+        f"capacity   {_human(holding.capacity_bytes)} holds {blocks}{share}: "
+        f"{holding.tokens} tokens"
+    )
+    if size.tail_bytes:
+        window = _human(holding.window_capacity_bytes)
+        print(f"           and {holding.tails} window tails in {window}")
+    for note in size.notes:
+        print(f"note       {note}")
     return 0
 
 
@@ -315,13 +398,44 @@ def build_parser(plugins: Sequence[EntryPoint] | None = None) -> argparse.Argume
     model_id = sub.add_parser(
         "model-id",
         help="the digest naming a model's weights in keys (hosts that print the same one "
-        "share blocks)",
+        "share blocks); with --size, its KV bytes per token and what a capacity holds",
     )
-    model_id.add_argument("path", help="the model's folder (or one weight file)")
+    model_id.add_argument(
+        "path", help="the model's folder (or one weight file; with --size, or its config.json)"
+    )
     model_id.add_argument(
         "--weights-digest", choices=DIGEST_MODES, default="sampled", help="default: sampled"
     )
     model_id.add_argument("--json", action="store_true", help="print one JSON object")
+    model_id.add_argument(
+        "--size",
+        action="store_true",
+        help="print the KV bytes per token and per stored block, from the folder's "
+        "config.json, and what a capacity holds (reads no weights)",
+    )
+    model_id.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="with --size: vLLM's --kv-cache-dtype (default: auto, the model's dtype)",
+    )
+    model_id.add_argument(
+        "--tensor-parallel-size",
+        type=positive_number(int, 1 << 16),
+        metavar="N",
+        help="with --size: ranks the KV heads are split across (default: 1)",
+    )
+    model_id.add_argument(
+        "--block-tokens",
+        type=positive_number(int, 1 << 20),
+        metavar="N",
+        help=f"with --size: tokens per stored block (default: {DEFAULT_BLOCK_TOKENS})",
+    )
+    model_id.add_argument(
+        "--capacity-gb",
+        type=_capacity_gb,
+        metavar="GIB",
+        help="with --size: the store's capacity (default: 1)",
+    )
     model_id.set_defaults(func=cmd_model_id)
 
     for plugin in _plugin_commands() if plugins is None else plugins:
