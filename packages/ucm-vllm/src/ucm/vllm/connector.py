@@ -42,6 +42,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         transfer = self._kv_transfer_config
         self.config = connector_config(transfer.kv_connector_extra_config)
         if role == KVConnectorRole.WORKER:
@@ -202,6 +203,20 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> UCMPromMetrics:
         return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _log_through_vllm() -> None:
+    """Send UCM's log records through vLLM's handlers, in its format: vLLM configures only
+    its own ``vllm`` logger, so the ``ucm`` loggers' INFO records (the start-up line, the
+    store's capacity) would be dropped and their warnings printed bare.  Left alone where
+    the application configured logging for ``ucm`` or for the root logger."""
+    ours, theirs = logging.getLogger("ucm"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _log_start(config: Any, layout: Any) -> None:

@@ -56,7 +56,8 @@ class ServeProcess:
     """``vllm serve MODEL ARGS`` on ``host``:``port``, its output in ``log_path``;
     ``prefix`` wraps the command (``ip netns exec HOST``); ``env``: the whole environment
     (this process's by default); ``python``: the interpreter of the environment whose vLLM
-    runs (this one by default)."""
+    runs (this one by default); ``launcher``: the command that starts the server, given the
+    model and the options (``vllm serve`` by default; a script of ``examples/``)."""
 
     def __init__(
         self,
@@ -69,12 +70,14 @@ class ServeProcess:
         prefix: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         python: str = sys.executable,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         self.host = host
         self.port = port if port is not None else free_port()
         self.log_path = Path(log_path)
         command = [
-            *prefix, *serve_command(python), model, "--host", host, "--port", str(self.port), *args
+            *prefix, *(launcher or serve_command(python)), model,
+            "--host", host, "--port", str(self.port), *args,
         ]  # fmt: skip
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 - written until stopped
         self.proc = subprocess.Popen(
@@ -109,12 +112,16 @@ class ServeProcess:
         self.kill()
         raise RuntimeError(f"vllm serve not ready within {timeout} s:\n{self.log()[-6000:]}")
 
+    def metrics_text(self) -> str:
+        """The server's ``/metrics`` page (Prometheus' text format)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as answer:
+            return str(answer.read().decode())
+
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, summed over labels: name -> value."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as answer:
-            text = answer.read().decode()
+        text = self.metrics_text()
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

@@ -33,6 +33,7 @@ class Server(ServeProcess):
         host: str = "127.0.0.1",
         prefix: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         command = [
             "--tokenizer", tokenizer, "--served-model-name", MODEL_NAME,
@@ -46,7 +47,7 @@ class Server(ServeProcess):
         env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
         super().__init__(
             model, command, log_path, host=host, port=None if host == "127.0.0.1" else 8000,
-            prefix=prefix, env=env,
+            prefix=prefix, env=env, launcher=launcher,
         )  # fmt: skip
 
     def wait_ready(self, timeout: float = 300) -> Server:
