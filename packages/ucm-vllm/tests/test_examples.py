@@ -249,7 +249,7 @@ def test_two_hosts_share_a_mooncake_cluster(tiny_model, tokenizer, document, tmp
             wait_listening(lab.address("m"), 50051)
             wait_listening(lab.address("m"), 50052)
             env = {"UCM_MASTER": f"{lab.address('m')}:50051"}
-            outputs = {}
+            outputs, identities = {}, {}
             for host in ("a", "b"):  # a computes and stores, b (another host) loads
                 server = example_server(
                     "vllm/serve_mooncake.sh", tiny_model, tokenizer, tmp_path / f"{host}.log",
@@ -261,8 +261,11 @@ def test_two_hosts_share_a_mooncake_cluster(tiny_model, tokenizer, document, tmp
                         assert wait_dumped(server)["vllm:ucm_dumped_blocks_total"] >= 4
                 finally:
                     assert server.stop()[0] == 0
+                identities[host] = re.findall(r"model identity ([0-9a-f]{16})", server.log())
         finally:
             os.killpg(cluster.pid, signal.SIGTERM)
             cluster.wait(30)
     assert "cached tokens: 0" in outputs["a"], outputs["a"]
     assert "cached tokens: 1024" in outputs["b"], outputs["b"]
+    # what the troubleshooting page tells hosts that should share blocks to compare first
+    assert len(identities["a"]) == 1 and identities["a"] == identities["b"], identities

@@ -13,6 +13,7 @@ vLLM creates one instance in the scheduler process (role SCHEDULER) and one per 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -225,11 +226,14 @@ def _log_start(config: Any, layout: Any) -> None:
 
     log.info(
         "UCMConnector active: store %s; %d-token blocks; %d KV-cache group(s); "
-        "tensor-parallel world %d",
+        "tensor-parallel world %d; model identity %s",
         store_summary(config.store),
         layout.block_tokens,
         len(layout.groups),
         layout.world_size,
+        # engines that print other identities never share blocks: the first thing to
+        # compare between two hosts that should
+        hashlib.sha256(layout.fingerprint.encode()).hexdigest()[:16],
     )
     warning = version_warning(getattr(vllm, "__version__", "unknown"))
     if warning:
