@@ -202,9 +202,7 @@ def test_every_metric_of_the_grafana_dashboard_and_alerts_is_served(served):
     if "text" not in served:
         pytest.skip("the posix example did not run")
     dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [
-        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
-    ]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     assert len(exprs) >= 8, exprs
     rules = yaml.safe_load(ALERTS.read_text())
     exprs += [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
