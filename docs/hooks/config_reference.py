@@ -1,38 +1,63 @@
-"""mkdocs hook: the configuration reference, generated from the attrs classes of ucm.core.
+"""The configuration reference, generated from the attrs classes of the settings.
 
-A page holding the marker ``<!-- config-reference -->`` gets, in its place, one section per
-class of ``ucm.core.config.DOCUMENTED_CLASSES`` (then the slice-write policy): a table of
-every field with its type, default, allowed values and the ``doc`` from its metadata.  A
-validator this hook cannot describe is a warning, so ``mkdocs build --strict`` fails
-rather than publish a reference with a gap.
+The reference lives in ``docs/configuration.md`` itself, between the markers
+``<!-- config-reference:begin -->`` and ``<!-- config-reference:end -->``, so that it reads
+on GitHub and its links work without a site build.  It holds one section per class of
+``ucm.core.config.DOCUMENTED_CLASSES``, then the slice-write policy and the settings of the
+engine adapters: a table of every field with its default, the values it allows (and so its
+type) and the ``doc`` from its metadata.
+
+Three ways in:
+
+* ``python docs/hooks/config_reference.py --write`` rewrites the section from the code
+  (``--check``: exit 1 when it is stale); run it after changing a setting;
+* as an mkdocs hook (``mkdocs.yml``), it checks the section when the site is built: a stale
+  section, or a validator this module cannot describe, is a warning, so ``mkdocs build
+  --strict`` fails rather than publish a reference that differs from the code;
+* ``packages/ucm-core/tests/test_docs_reference.py`` runs the same check with the tests.
+
+It needs ucm-core and attrs, not mkdocs: the adapters' settings are read from their source
+files in this repository (they import only ucm-core), so every environment that has ucm-core
+renders the same text.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import inspect
 import logging
+import re
+import sys
 import types
 import typing
+import unicodedata
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
-from markdown.extensions.toc import slugify  # type: ignore[import-untyped]
 
 try:
     from ucm.core import config as ucm_config
     from ucm.core.slicing import SliceWritePolicy
 except ImportError as exc:  # pragma: no cover - a set-up problem, not a docs problem
     raise ImportError(
-        "the docs hook needs ucm-core: pip install -e packages/ucm-core (nox -s docs does)"
+        "the configuration reference needs ucm-core: pip install -e packages/ucm-core"
     ) from exc
 
-MARKER = "<!-- config-reference -->"
+BEGIN = "<!-- config-reference:begin -->"
+END = "<!-- config-reference:end -->"
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs" / "configuration.md"
+#: what a reader is told to run when the committed reference is stale
+REFRESH = "python docs/hooks/config_reference.py --write"
 log = logging.getLogger("mkdocs.hooks.config_reference")
 
 #: Factories whose result depends on the machine building the docs: shown as a rule instead.
 FACTORY_TEXT: dict[Callable[[], object], str] = {
     ucm_config.default_store_path: "`$XDG_CACHE_HOME/ucm` (or `~/.cache/ucm`)",
+    ucm_config.default_shared_memory_path: "`/dev/shm/ucm-<uid>` (one folder per user)",
 }
 TYPE_NAMES: dict[object, str] = {
     str: "string",
@@ -41,35 +66,53 @@ TYPE_NAMES: dict[object, str] = {
     bool: "boolean",
     type(None): "null",
 }
+#: the engine adapters' settings: (section title, source file in this repository, class)
+ADAPTERS = (
+    (
+        "vLLM connector (kv_connector_extra_config)",
+        "packages/ucm-vllm/src/ucm/vllm/config.py",
+        "ConnectorConfig",
+    ),
+    (
+        "FastDeploy backend (ucm_config)",
+        "packages/ucm-fastdeploy/src/ucm/fastdeploy/config.py",
+        "FastDeployConfig",
+    ),
+)
+
+
+def slugify(title: str, separator: str = "-") -> str:
+    """The anchor of a heading, as Python-Markdown's ``toc`` extension makes it (mkdocs
+    uses it; GitHub's anchors agree for these titles)."""
+    text = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(rf"[{separator}\s]+", separator, text)
 
 
 def _sections() -> list[tuple[str, type]]:
     sections = list(ucm_config.DOCUMENTED_CLASSES)
     if all(cls is not SliceWritePolicy for _, cls in sections):
         sections.append(("Slice writes", SliceWritePolicy))
-    try:  # the adapters' settings, where their packages are installed
-        from ucm.vllm.config import ConnectorConfig
-    except ImportError:
-        log.warning("config reference: ucm-vllm is not installed; its settings are missing")
-    else:
-        sections.append(("vLLM connector (kv_connector_extra_config)", ConnectorConfig))
-    sections.append(("FastDeploy backend (ucm_config)", _fastdeploy_config()))
+    for title, source, name in ADAPTERS:
+        sections.append((title, _adapter_class(source, name)))
     return sections
 
 
-def _fastdeploy_config() -> type:
-    """ucm.fastdeploy's settings; read from the source tree when the package is not installed
-    (its config module needs only ucm-core, so the docs build needs no paddle)."""
-    try:
-        from ucm.fastdeploy.config import FastDeployConfig
-    except ImportError:
-        import sys
-        from pathlib import Path
-
-        src = Path(__file__).resolve().parents[2] / "packages" / "ucm-fastdeploy" / "src"
-        sys.path.append(str(src))  # ucm is a namespace package: ucm.fastdeploy joins it
-        from ucm.fastdeploy.config import FastDeployConfig
-    return FastDeployConfig
+def _adapter_class(source: str, name: str) -> type:
+    """Class ``name`` of an adapter's settings module, executed from its source file under a
+    private module name: the adapter need not be installed, and an installed copy (which may
+    be older than the tree) is not what the tree's docs describe."""
+    module_name = "_ucm_docs_reference_" + Path(source).parts[1].replace("-", "_")
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, REPO / source)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # attrs resolves the annotations through it
+        spec.loader.exec_module(module)
+    cls = getattr(module, name)
+    assert isinstance(cls, type)
+    return cls
 
 
 def _literal(value: object) -> str:
@@ -106,12 +149,31 @@ def _default(field: attrs.Attribute[Any], anchors: dict[type, tuple[str, str]]) 
             return FACTORY_TEXT[factory]
         if factory in anchors:
             return f"the defaults of {_link(factory, anchors)}"
+        if inspect.isfunction(factory):  # its result may depend on the machine
+            log.warning(
+                "config reference: %s's default comes from %s(): add it to FACTORY_TEXT",
+                field.name,
+                factory.__qualname__,
+            )
         default = factory()
     return _literal(default)
 
 
 def _allowed(field: attrs.Attribute[Any], anchors: dict[type, tuple[str, str]]) -> str:
-    return "" if field.validator is None else _describe(field.validator, field.name, anchors)
+    """What a field takes, saying what kind of value where its rule alone does not (the
+    table has no column of types: the site has no room for five)."""
+    kind = _type(field.type, anchors)
+    if field.validator is None:
+        return kind
+    rule = _describe(field.validator, field.name, anchors)
+    first = kind.split(" or ")[0]
+    if rule.startswith("non-empty"):
+        return "a non-empty string" + rule[len("non-empty") :]
+    if first == "number" and rule.startswith((">", "≥", "between")):
+        return f"a number {rule}"
+    if first == "string" and rule.startswith("at most"):
+        return f"a string of {rule}"
+    return rule or kind
 
 
 def _describe(check: Any, name: str, anchors: dict[type, tuple[str, str]]) -> str:
@@ -160,11 +222,10 @@ def render_reference() -> str:
         out += [f"### {title}", ""]
         if cls.__doc__:
             out += [inspect.cleandoc(cls.__doc__).split("\n\n")[0], ""]
-        out += ["| Setting | Type | Default | Allowed | Meaning |", "|---|---|---|---|---|"]
+        out += ["| Setting | Default | Allowed | Meaning |", "|---|---|---|---|"]
         for field in attrs.fields(cls):
             row = [
                 f"`{field.name}`",
-                _type(field.type, anchors),
                 _default(field, anchors),
                 _allowed(field, anchors),
                 field.metadata.get("doc", ""),
@@ -176,7 +237,78 @@ def render_reference() -> str:
     return "\n".join(out)
 
 
-def on_page_markdown(markdown: str, **_kwargs: object) -> str:
-    if MARKER not in markdown:
+def stale(page_text: str) -> str | None:
+    """Why the reference in ``page_text`` differs from the code, or None when it is current."""
+    if page_text.count(BEGIN) != 1 or page_text.count(END) != 1:
+        return f"it needs one {BEGIN} and one {END} marker"
+    start = page_text.index(BEGIN) + len(BEGIN)
+    if page_text.index(END) < start:
+        return f"{END} comes before {BEGIN}"
+    if page_text[start : page_text.index(END)] != _block():
+        return f"the reference differs from the code; run {REFRESH}"
+    return None
+
+
+def refreshed(page_text: str) -> str:
+    """``page_text`` with the reference between its markers generated again."""
+    problem = stale(page_text)
+    if problem is not None and "differs" not in problem:
+        raise ValueError(problem)
+    start = page_text.index(BEGIN) + len(BEGIN)
+    return page_text[:start] + _block() + page_text[page_text.index(END) :]
+
+
+def _block() -> str:
+    return "\n\n" + render_reference().rstrip("\n") + "\n\n"
+
+
+#: pages holding the reference (their ``src_uri``), given ``TABLE_STYLE`` when rendered
+_PAGES: set[str] = set()
+#: the site's tables break inline code anywhere to fit; a setting's name stays whole
+TABLE_STYLE = "<style>.md-typeset td:first-child code { white-space: nowrap; }</style>\n"
+
+
+def on_page_markdown(markdown: str, page: Any = None, **_kwargs: object) -> str:
+    """mkdocs: check the committed reference (a warning fails a strict build)."""
+    if BEGIN not in markdown and END not in markdown:
         return markdown
-    return markdown.replace(MARKER, render_reference())
+    where = getattr(getattr(page, "file", None), "src_uri", "a page")
+    _PAGES.add(where)
+    problem = stale(markdown)
+    if problem is not None:
+        log.warning("config reference in %s: %s", where, problem)
+    return markdown
+
+
+def on_page_content(html: str, page: Any = None, **_kwargs: object) -> str:
+    """mkdocs: the reference's tables keep each setting's name on one line."""
+    if getattr(getattr(page, "file", None), "src_uri", None) in _PAGES:
+        return TABLE_STYLE + html
+    return html
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Write or check the configuration reference.")
+    action = p.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", action="store_true", help="rewrite it from the code")
+    action.add_argument("--check", action="store_true", help="exit 1 when it is stale")
+    p.add_argument("page", nargs="?", default=str(PAGE), help="default: docs/configuration.md")
+    args = p.parse_args(argv)
+    path = Path(args.page)
+    text = path.read_text()
+    if args.check:
+        problem = stale(text)
+        if problem is not None:
+            print(f"{path}: {problem}", file=sys.stderr)
+            return 1
+        return 0
+    new = refreshed(text)
+    if new != text:
+        path.write_text(new)
+        print(f"{path}: reference rewritten", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(format="%(levelname)s %(message)s")
+    raise SystemExit(main())

