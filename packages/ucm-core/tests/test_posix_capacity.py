@@ -2,7 +2,12 @@
 which blocks go first."""
 
 import attrs
-from ucm.core.store.posix.capacity import Capacity, eviction_order
+from ucm.core.store.posix.capacity import (
+    SAMPLE_FACTOR,
+    Capacity,
+    eviction_order,
+    sample_is_enough,
+)
 
 
 @attrs.frozen
@@ -53,3 +58,23 @@ def test_least_recently_used_go_first_and_blocks_being_read_never():
     blocks = [Block("c", 30), Block("a", 10), Block("d", 40), Block("b", 20)]
     assert [b.name for b in eviction_order(blocks)] == ["a", "b", "c", "d"]
     assert [b.name for b in eviction_order(blocks, skip={"a", "c"})] == ["b", "d"]
+
+
+def test_a_pass_frees_what_is_over_and_a_share_and_samples_a_multiple_of_it():
+    capacity = Capacity(100_000, 0.01)
+    share = 1000
+    assert capacity.pass_need(100, used=50_000) == share
+    assert capacity.pass_need(100, used=100_000) == 100 + share
+    capacity.inflight_bytes = 400
+    assert capacity.pass_need(100, used=100_000) == 500 + share
+    assert not sample_is_enough(SAMPLE_FACTOR * 1000 - 1, 1000)
+    assert sample_is_enough(SAMPLE_FACTOR * 1000, 1000)
+
+
+def test_the_background_evictor_starts_when_less_than_the_share_is_free():
+    capacity = Capacity(100_000, 0.01)
+    assert not capacity.needs_headroom(99_000)
+    assert capacity.needs_headroom(99_001)
+    capacity.inflight_bytes = 500  # writes in flight count too
+    assert capacity.needs_headroom(98_600)
+    assert not Capacity(None, 0.01).needs_headroom(10**18)

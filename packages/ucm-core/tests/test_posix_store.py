@@ -1,5 +1,6 @@
 import os
 import stat
+import time
 
 import pytest
 import xxhash
@@ -171,6 +172,38 @@ def test_capacity_holds_over_10k_dumps_and_keeps_recent_reads(tmp_path):
     assert s.lookup(hot) == [True] * 5
     assert s.lookup([key(5), key(6)]) == [False, False]  # the oldest unread ones went
     assert s.lookup([key(10_004)]) == [True]
+    s.close()
+
+
+def test_a_large_store_evicts_the_oldest_of_a_sample_not_a_tenth_of_a_full_listing(tmp_path):
+    # 3000 blocks over 256 folders: a pass lists a sample of folders, frees what is over the
+    # limit and 1% of the capacity, from the sample's oldest blocks (an exact pass would
+    # list every file and free evict_fraction, a tenth)
+    size, n, more = 64, 3000, 80
+    file_size = 4096 + size
+    room = 3045  # blocks: filled to 98.5%, short of the background evictor's cue (99%)
+    s = PosixStore(
+        PosixStoreConfig(path=str(tmp_path / "p"), capacity_gb=room * file_size / (1 << 30))
+    )
+    keys = [key(i) for i in range(n + more)]
+    assert all(r.ok for r in s.wait(s.dump(keys[:n], [payload(i, size) for i in range(n)])))
+    old = set()
+    for i, block in enumerate(sorted(scan_store(s.root).blocks, key=lambda b: b.name)):
+        if i % 2 == 0:  # half the blocks were last used a day ago
+            os.utime(block.path, ns=(block.mtime_ns - 86400 * 10**9,) * 2)
+            old.add(block.name)
+    assert s.usage().blocks == n and s.evicted_blocks == 0
+    results = s.wait(s.dump(keys[n:], [payload(i, size) for i in range(n, n + more)]))
+    assert all(r.ok for r in results)
+    deadline = time.monotonic() + 10  # the background evictor's pass may still run
+    while s.usage().blocks > room * 0.99 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = {b.name for b in scan_store(s.root).blocks}
+    gone = {k.hex() for k in keys[:n]} - left
+    assert gone and gone <= old, f"{len(gone - old)} recently used blocks evicted"
+    assert n + more - room <= len(gone) <= n + more - room + 3 * 31, len(gone)  # passes of 1%
+    assert s.evicted_blocks == len(gone)
+    assert (s.usage().blocks, s.usage().bytes) == (len(left), len(left) * file_size)
     s.close()
 
 

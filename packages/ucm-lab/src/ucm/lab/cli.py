@@ -14,6 +14,12 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     return run_store_bench(args)
 
 
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from ucm.lab.core.bench_scale import main
+
+    return main(args.args)
+
+
 def add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -63,3 +69,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bstore.add_argument("--json", action="store_true", help="end with one line of JSON")
     bstore.set_defaults(func=cmd_bench_store)
+    bscale = bench_sub.add_parser(
+        "scale",
+        help="the posix store with a million blocks against an empty one: dumps while it "
+        "evicts, lookups, memory, start-up",
+        add_help=False,
+    )
+    bscale.add_argument("args", nargs=argparse.REMAINDER, help="see ucm bench scale --help")
+    bscale.set_defaults(func=cmd_bench_scale)

@@ -5,9 +5,18 @@ tested alone.
 
 Capacity is shared by every process using the directory: when the store's count (kept for
 all of them, :mod:`.usage`) and this process's writes in flight would pass the limit, the
-store scans the directory and deletes the least recently used blocks (recency is the file's
-mtime, which every load refreshes) until ``evict_fraction`` of the capacity is free.  Blocks
-this process is reading are skipped.
+store deletes least recently used blocks (recency is the file's mtime, which every load
+refreshes).  Blocks this process is reading are skipped.
+
+A pass does not list the whole store: with millions of blocks that takes seconds, on the
+path of the dump that needs room.  It lists block folders picked at random (the folders
+split the blocks evenly: they are named by the keys' first byte) until the sample holds
+:data:`SAMPLE_FACTOR` times what the pass must free, then deletes the sample's oldest
+blocks: blocks from the oldest ``1 / SAMPLE_FACTOR`` of the store, an approximation of LRU
+whose cost follows what is freed, not what is stored.  One pass frees ``evict_fraction``
+of the capacity (1 % by default) beyond what is over the limit.  A small store is sampled
+whole, and its pass is exact.  Each process's store runs passes in the background once
+less than ``evict_fraction`` of the capacity is free, so a dump rarely waits for one.
 """
 
 from __future__ import annotations
@@ -61,6 +70,32 @@ class Capacity:
     def finished(self, size: int) -> None:
         """A write of ``size`` bytes ended (its block published or not)."""
         self.inflight_bytes -= size
+
+    def needs_headroom(self, used: int) -> bool:
+        """Whether, with ``used`` bytes stored and this process's writes in flight, less than
+        ``evict_fraction`` of the capacity is free: the background evictor's cue (one of its
+        passes frees that much again, so writers keep finding room)."""
+        if self.limit is None:
+            return False
+        return used + self.inflight_bytes > self.limit * (1 - self.evict_fraction)
+
+    def pass_need(self, size: int, used: int) -> int:
+        """The bytes one eviction pass frees, with ``used`` bytes stored, to make room for
+        ``size`` more: what is over the limit, and ``evict_fraction`` of the capacity
+        besides, so that the next writes find room."""
+        assert self.limit is not None, "an unlimited store never evicts"
+        over = max(0, used + self.inflight_bytes + size - self.limit)
+        return over + int(self.limit * self.evict_fraction)
+
+
+#: a pass samples this many times what it frees, and frees the sample's oldest blocks
+SAMPLE_FACTOR = 4
+
+
+def sample_is_enough(sampled_bytes: int, need: int) -> bool:
+    """Whether a sample of ``sampled_bytes`` is large enough to free ``need`` bytes of its
+    oldest blocks."""
+    return sampled_bytes >= SAMPLE_FACTOR * need
 
 
 B = TypeVar("B", bound=StoredBlock)

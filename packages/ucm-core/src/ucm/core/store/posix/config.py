@@ -102,8 +102,11 @@ class PosixStoreConfig:
         validator=boolean,
     )
     evict_fraction: float = setting(
-        "Share of the capacity freed by one eviction pass, so that passes are rare.",
-        default=0.1,
+        "Share of the capacity that one eviction pass frees beyond what is over the limit; "
+        "a pass runs in the background once less than this is free, and lists a sample of "
+        "the store four times as large (its oldest blocks go), so its cost follows this, "
+        "not the store's size.",
+        default=0.01,
         validator=fraction,
     )
     stale_temp_seconds: float = setting(

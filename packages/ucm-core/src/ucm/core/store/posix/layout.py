@@ -27,6 +27,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Collection
 
 import attrs
 from ucm.core.block_format import (
@@ -158,21 +159,48 @@ def block_relative(name: str) -> str:
 
 
 def scan_store(
-    root: str, *, stale_temp_seconds: float = 3600.0, remove_temps: bool = True
+    root: str,
+    *,
+    stale_temp_seconds: float = 3600.0,
+    remove_temps: bool = True,
+    folders: Collection[str] | None = None,
 ) -> ScanResult:
-    """Every block file under ``root``; removes stale temporary files on the way (unless
-    ``remove_temps`` is false: a read-only store)."""
+    """Every block file under ``root``, or in the block folders named ``folders`` (``ab``
+    of ``blocks/ab``: a sample of the store); removes stale temporary files on the way
+    (unless ``remove_temps`` is false: a read-only store)."""
     try:
         root_fd = open_dir(root)
     except (FileNotFoundError, NotADirectoryError):
         return ScanResult([], [], 0)
     try:
-        return _scan(root, root_fd, stale_temp_seconds, remove_temps)
+        return _scan(root, root_fd, stale_temp_seconds, remove_temps, folders)
     finally:
         os.close(root_fd)
 
 
-def _scan(root: str, root_fd: int, stale_temp_seconds: float, remove_temps: bool) -> ScanResult:
+def block_folders(root_fd: int) -> list[str]:
+    """The names of the store's block folders (``ab`` of ``blocks/ab``), sorted."""
+    try:
+        blocks_fd = open_dir(BLOCKS_DIR, root_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    try:
+        return sorted(
+            e.name
+            for e in os.scandir(blocks_fd)
+            if len(e.name) == 2 and _HEX.issuperset(e.name) and e.is_dir(follow_symlinks=False)
+        )
+    finally:
+        os.close(blocks_fd)
+
+
+def _scan(
+    root: str,
+    root_fd: int,
+    stale_temp_seconds: float,
+    remove_temps: bool,
+    folders: Collection[str] | None = None,
+) -> ScanResult:
     blocks: list[BlockFile] = []
     foreign: list[str] = []
     removed = 0
@@ -203,6 +231,8 @@ def _scan(root: str, root_fd: int, stale_temp_seconds: float, remove_temps: bool
         if remove_temps and writers_fd is not None:
             _remove_gone_writers(writers_fd, host)
         subdirs = sorted(os.scandir(blocks_fd), key=lambda e: e.name)
+        if folders is not None:
+            subdirs = [e for e in subdirs if e.name in folders]
         for sub in subdirs:
             sub_path = f"{blocks_path}/{sub.name}"
             if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import stat
 import threading
 from collections import Counter
@@ -44,7 +45,7 @@ from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.folder import check_before_creating, check_store_folder
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
-from ucm.core.store.posix.capacity import Capacity
+from ucm.core.store.posix.capacity import Capacity, sample_is_enough
 from ucm.core.store.posix.config import AUTO, PosixStoreConfig
 from ucm.core.store.posix.fileio import (
     O_CLOEXEC,
@@ -62,6 +63,9 @@ from ucm.core.store.posix.fileio import (
 )
 from ucm.core.store.posix.layout import (
     BLOCKS_DIR,
+    BlockFile,
+    ScanResult,
+    block_folders,
     block_relative,
     evict_lru,
     host_tag,
@@ -148,6 +152,11 @@ class PosixStore(Store):
         threading.Thread(
             target=self._initial_scan, args=(before,), name="ucm-posix-scan", daemon=True
         ).start()
+        # Keeps room ahead of the writers, so that a dump rarely waits for an eviction pass.
+        self._evictor: threading.Event | None = None
+        if self._limit is not None and not self._read_only:
+            self._evictor = threading.Event()
+            threading.Thread(target=self._keep_room, name="ucm-posix-evict", daemon=True).start()
 
     def _prepare(self) -> None:
         """The blocks folder, the marker and the shared count; a store that cannot be
@@ -201,24 +210,30 @@ class PosixStore(Store):
     def _initial_scan(self, before: tuple[int, int]) -> None:
         usage = self._usage
         try:
-            scan = scan_store(
-                self.root,
-                stale_temp_seconds=self.config.stale_temp_seconds,
-                remove_temps=not self._read_only,
-            )
-            with self._lock:
-                early = self._published_before_scan
-                counted = [b for b in scan.blocks if b.name not in early]
-            found = (sum(b.size for b in counted), len(counted))
+            # a folder at a time: what a million blocks' records would take stays unheld
+            found, temps_removed = [0, 0], 0
+            for folder in block_folders(self._root_fd):
+                scan = scan_store(
+                    self.root,
+                    stale_temp_seconds=self.config.stale_temp_seconds,
+                    remove_temps=not self._read_only,
+                    folders=(folder,),
+                )
+                with self._lock:
+                    early = self._published_before_scan
+                    counted = [b for b in scan.blocks if b.name not in early]
+                found[0] += sum(b.size for b in counted)
+                found[1] += len(counted)
+                temps_removed += scan.temps_removed
             if usage is None:
-                self._scanned_usage = found
+                self._scanned_usage = (found[0], found[1])
             elif usage.fresh:  # else the count stands (an eviction pass corrects it)
-                usage.resync(found, before)
-            if scan.temps_removed:
+                usage.resync((found[0], found[1]), before)
+            if temps_removed:
                 log.info(
                     "ucm posix store %s: removed %d stale temporary files",
                     self.root,
-                    scan.temps_removed,
+                    temps_removed,
                 )
         except (OSError, ValueError) as exc:  # ValueError: closed meanwhile
             log.warning("ucm posix store %s: initial scan failed: %s", self.root, exc)
@@ -286,19 +301,66 @@ class PosixStore(Store):
         return "store is full: every block is being read or written"
 
     def _evict(self, size: int) -> int:
-        """Delete least recently used blocks to make room for ``size`` bytes; returns the
-        bytes the store then holds."""
+        """Delete least recently used blocks to make room for ``size`` bytes, from a sample
+        of the store's folders (:mod:`.capacity`); returns the bytes the store then holds."""
         assert self._usage is not None
         before = self._usage.read()
-        scan = scan_store(self.root, stale_temp_seconds=self.config.stale_temp_seconds)
         with self._lock:
             reading = set(self._reading)
-            target = self._capacity.eviction_target(size)
-        remaining = evict_lru(scan, target, self._root_fd, skip=reading)
-        removed = (scan.bytes - remaining[0], len(scan.blocks) - remaining[1])
+            need = self._capacity.pass_need(size, before[0])
+        folders = block_folders(self._root_fd)
+        random.shuffle(folders)  # the sample: the blocks spread evenly over the folders
+        blocks: list[BlockFile] = []
+        sampled = taken = 0
+        batch = 4
+        while taken < len(folders) and not sample_is_enough(sampled, need):
+            part = scan_store(
+                self.root,
+                stale_temp_seconds=self.config.stale_temp_seconds,
+                folders=frozenset(folders[taken : taken + batch]),
+            )
+            blocks += part.blocks
+            sampled += part.bytes
+            taken, batch = taken + batch, batch * 2
+        sample = ScanResult(blocks, [], 0)
+        if taken >= len(folders):
+            # The whole store was listed: an exact pass, which corrects the count too.
+            with self._lock:
+                target = self._capacity.eviction_target(size)
+            remaining = evict_lru(sample, target, self._root_fd, skip=reading)
+            removed = (sampled - remaining[0], len(blocks) - remaining[1])
+            with self._lock:
+                self._evicted += removed[1]
+            return self._usage.resync(remaining, before, removed)[0]
+        left = evict_lru(sample, sampled - need, self._root_fd, skip=reading)
+        removed = (sampled - left[0], len(blocks) - left[1])
         with self._lock:
             self._evicted += removed[1]
-        return self._usage.resync(remaining, before, removed)[0]
+        return self._usage.add(-removed[0], -removed[1])[0]
+
+    def _keep_room(self) -> None:
+        """The background evictor: woken when a dump leaves less than the headroom free
+        (:meth:`Capacity.needs_headroom`), it runs a pass unless another process is running
+        one; dumps that find no room still evict themselves."""
+        assert self._evictor is not None and self._usage is not None
+        while True:
+            self._evictor.wait()
+            self._evictor.clear()
+            if self._closed:
+                return
+            try:
+                self._counted.wait()
+                used, _ = self._usage.read()
+                with self._lock:
+                    room = not self._capacity.needs_headroom(used)
+                if room:
+                    continue
+                with self._usage.eviction(0) as mine:
+                    if mine:
+                        self._evict(0)
+            except (OSError, ValueError) as exc:  # ValueError: closed meanwhile
+                if not self._closed:
+                    log.warning("ucm posix store %s: eviction failed: %s", self.root, exc)
 
     def _release(self, size: int) -> None:
         with self._lock:
@@ -378,12 +440,14 @@ class PosixStore(Store):
             # Counted before it is published: a writer killed in between leaves the count
             # high, never low, and the next eviction pass brings it down (usage.resync).
             assert self._usage is not None
-            self._usage.add(size, 1)
+            stored = self._usage.add(size, 1)[0]
             try:
                 os.rename(tmp, final)
             except BaseException:
                 self._usage.add(-size, -1)
                 raise
+            if self._evictor is not None and self._capacity.needs_headroom(stored):
+                self._evictor.set()
             published = True
             if self.config.fsync == "full":
                 fsync_dir(directory)
@@ -575,6 +639,8 @@ class PosixStore(Store):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+            if self._evictor is not None:
+                self._evictor.set()  # it sees the store closed and returns
             self._scanned.wait(5.0)  # a first scan still running finds the count closed
             if self._usage is not None:
                 self._usage.close()
