@@ -99,6 +99,17 @@ def wait_dumped(server: Server, at_least: int = 4) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def store_cold(server: Server, document: Path) -> None:
+    """Ask ``server`` about the document, which nothing holds yet: it is computed and its
+    4 blocks dumped; then stop the server."""
+    try:
+        out = ask(server, document, expect_hit=False)
+        assert "cached tokens: 0" in out, out
+        assert wait_dumped(server)["vllm:ucm_dumped_blocks_total"] >= 4
+    finally:
+        assert server.stop()[0] == 0
+
+
 def stored_blocks(path: Path) -> int:
     """Blocks in a store folder, as ``ucm store stats`` counts them."""
     done = subprocess.run(
@@ -114,12 +125,7 @@ def test_the_posix_example_stores_and_the_restarted_server_loads(
 ):
     env = {"UCM_STORE": str(tmp_path / "store"), "UCM_CAPACITY": "1"}
     cold = example_server("vllm/serve_posix.sh", tiny_model, tokenizer, tmp_path / "cold.log", env)
-    try:
-        out = ask(cold, document, expect_hit=False)
-        assert "cached tokens: 0" in out, out
-        assert wait_dumped(cold)["vllm:ucm_dumped_blocks_total"] >= 4
-    finally:
-        assert cold.stop()[0] == 0
+    store_cold(cold, document)
     # vLLM configures only its own logger: UCM's start-up line must reach its log anyway
     assert "UCMConnector active: store posix at " in cold.log()
     warm = example_server("vllm/serve_posix.sh", tiny_model, tokenizer, tmp_path / "warm.log", env)
@@ -151,12 +157,7 @@ def test_the_memory_examples_store_in_shared_memory(kind, tiny_model, tokenizer,
     try:
         server = example_server(f"vllm/serve_{kind}.sh", tiny_model, tokenizer,
                                 tmp_path / "server.log", env)  # fmt: skip
-        try:
-            out = ask(server, document, expect_hit=False)
-            assert "cached tokens: 0" in out, out
-            assert wait_dumped(server)["vllm:ucm_dumped_blocks_total"] >= 4
-        finally:
-            assert server.stop()[0] == 0
+        store_cold(server, document)
         assert f"UCMConnector active: store {kind}" in server.log()
         assert [stored_blocks(tier) >= 4 for tier in tiers] == [True] * len(tiers)
     finally:
