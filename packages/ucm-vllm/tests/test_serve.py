@@ -1,4 +1,6 @@
 """``vllm serve`` with UCMConnector, driven over HTTP by an OpenAI client as users drive it.
+Its posix servers are started by ``examples/vllm/serve_posix.sh``, and the metric names of
+docs/vllm.md and of the Grafana dashboard are checked against what they serve.
 
 The model is the tiny Llama with seeded random weights, its tokenizer a word-level one made
 locally with a chat template.  The reference is a server without the connector; every
@@ -7,6 +9,8 @@ comparison sends its requests one at a time (vLLM CPU's numerics move with the b
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import threading
@@ -14,14 +18,23 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from ucm.lab.testing.vllm.engine import mooncake_store, run_engine, shared_prefix_prompts
 from ucm.lab.testing.vllm.models import make_word_tokenizer, words
 from ucm.lab.testing.vllm.serve import Server, assert_same, chat, complete
+from ucm.lab.vllm.serve_process import serve_command
 
 pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[3]
+POSIX_EXAMPLE = ROOT / "examples" / "vllm" / "serve_posix.sh"
+DASHBOARD = ROOT / "examples" / "grafana" / "ucm-dashboard.json"
+ALERTS = ROOT / "examples" / "grafana" / "ucm-alerts.yaml"
+DOCS = ROOT / "docs" / "vllm.md"
+METRIC = re.compile(r"vllm:[a-z_:]+")
 
 PROMPTS = shared_prefix_prompts(3, prefix=1000, tail=100, seed=4)
 # the chat: a 600-word system prompt (2 store blocks of 256 tokens with the template)
@@ -103,14 +116,28 @@ def store_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("ucm_store"))
 
 
+def posix_example(tiny_model, tokenizer, log, store_dir, args=()) -> Server:
+    """The server of ``examples/vllm/serve_posix.sh`` on ``store_dir``, as a user starts it:
+    this module's posix servers are the example's (its test is here)."""
+    return Server(
+        tiny_model, tokenizer, log, args=args, launcher=["bash", str(POSIX_EXAMPLE)],
+        env={"UCM_STORE": store_dir, "UCM_CAPACITY": "1", "VLLM_SERVE": " ".join(serve_command())},
+    ).wait_ready()  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cold(tiny_model, tokenizer, logs, store_dir):
-    server = Server(
-        tiny_model, tokenizer, logs / "cold.log", store={"kind": "posix", "path": store_dir},
-        args=["--shutdown-timeout", str(DRAIN_S)],
-    ).wait_ready()  # fmt: skip
+    server = posix_example(
+        tiny_model, tokenizer, logs / "cold.log", store_dir, ["--shutdown-timeout", str(DRAIN_S)]
+    )
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="module")
+def served():
+    """What the warm posix server served on /metrics, for the checks of the names."""
+    return {}
 
 
 def wait_for_metric(server: Server, name: str, at_least: float, timeout: float = 30) -> dict:
@@ -207,12 +234,12 @@ def test_sigterm_with_dumps_in_flight_exits_clean_and_leaves_valid_blocks(cold, 
 
 
 def test_a_fresh_server_on_the_same_store_hits_and_matches(
-    tiny_model, tokenizer, logs, store_dir, reference, cold
+    tiny_model, tokenizer, logs, store_dir, reference, cold, served
 ):
     assert cold.proc.poll() is not None  # the first server is gone
-    server = Server(
-        tiny_model, tokenizer, logs / "warm.log", store={"kind": "posix", "path": store_dir}
-    ).wait_ready()
+    # vLLM configures only its own logger: UCM's start-up line must reach its log anyway
+    assert "UCMConnector active: store posix at " in cold.log()
+    server = posix_example(tiny_model, tokenizer, logs / "warm.log", store_dir)
     try:
         client = server.client()
         for prompt, want in zip(PROMPTS, reference["warm"]["completions"]):
@@ -228,9 +255,62 @@ def test_a_fresh_server_on_the_same_store_hits_and_matches(
         assert metrics["vllm:ucm_loaded_blocks_total"] >= 4 + 1 + 1 + 2, metrics
         assert metrics["vllm:ucm_lookup_hit_tokens_total"] >= 1024 + 32 + 32 + 512
         assert metrics.get("vllm:ucm_load_errors_total", 0) == 0
+        served["text"] = server.metrics_text()
     finally:
         code, _ = server.stop()
     assert code == 0
+
+
+def test_the_documented_metrics_are_what_the_server_serves(served):
+    if "text" not in served:
+        pytest.skip("the warm server did not run")
+    names = {n for n in served_names(served["text"]) if n.startswith("vllm:ucm_")}
+    serving = {n for n in names if not n.endswith("_created")}
+    documented = {n for n in METRIC.findall(DOCS.read_text()) if n.startswith("vllm:ucm_")}
+    assert documented == serving, (
+        f"documented, not served: {sorted(documented - serving)}; "
+        f"served, not documented: {sorted(serving - documented)}"
+    )
+    # the gauges of a posix store with a capacity, and the requests it looked up
+    values = sample_values(served["text"])
+    assert values["vllm:ucm_store_up"] == 1
+    assert values["vllm:ucm_store_bytes"] > 0 and values["vllm:ucm_store_blocks"] >= 10
+    assert values["vllm:ucm_store_capacity_bytes"] == 2**30
+    assert values["vllm:ucm_lookup_requests_total"] >= 4
+    assert values["vllm:ucm_lookup_tokens_total"] >= values["vllm:ucm_lookup_hit_tokens_total"]
+
+
+def test_every_metric_of_the_grafana_dashboard_and_alerts_is_served(served):
+    if "text" not in served:
+        pytest.skip("the warm server did not run")
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert len(exprs) >= 8, exprs
+    rules = yaml.safe_load(ALERTS.read_text())
+    exprs += [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    named = {n for expr in exprs for n in METRIC.findall(expr)}
+    missing = named - served_names(served["text"])
+    assert not missing, f"the dashboard names metrics the server does not serve: {missing}"
+    ucm = {n for n in named if n.startswith("vllm:ucm_")}
+    assert ucm <= set(METRIC.findall(DOCS.read_text())), ucm
+
+
+def served_names(text: str) -> set[str]:
+    """Every sample name of a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def sample_values(text: str) -> dict[str, float]:
+    """A Prometheus exposition's samples, summed over their labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 # A client gives up while its prefix is still being read from a slow store.
