@@ -355,6 +355,14 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench_scale(session: nox.Session) -> None:
+    """The posix store holding a million blocks against an empty one in the same run:
+    dumps while it evicts, lookups, memory, start-up (``-- --blocks N``)."""
+    session.install("-e", CORE, "-e", LAB)
+    session.run("ucm", "bench", "scale", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def bench_kernels(session: nox.Session) -> None:
     """Gather/scatter kernels against a large copy and an index_select loop."""
     session.install(TORCH)
