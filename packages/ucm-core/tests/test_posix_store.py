@@ -207,6 +207,26 @@ def test_a_large_store_evicts_the_oldest_of_a_sample_not_a_tenth_of_a_full_listi
     s.close()
 
 
+def test_closing_a_store_ends_its_eviction_pass_first(tmp_path, caplog):
+    # a background pass still deleting when the store closed went on through the folder's
+    # closed descriptor (EBADF), then through whatever reused its number
+    size = 64
+    file_size = 4096 + size
+    config = PosixStoreConfig(
+        path=str(tmp_path / "p"), capacity_gb=2000 * file_size / (1 << 30), evict_fraction=0.5
+    )
+    s = PosixStore(config)
+    for start in range(0, 2000, 500):  # the last batches wake the background evictor
+        keys = [key(i) for i in range(start, start + 500)]
+        assert all(r.ok for r in s.wait(s.dump(keys, [payload(7, size)] * len(keys))))
+    s.close()
+    assert not s._evicting_thread.is_alive()
+    assert "cannot evict" not in caplog.text
+    after = PosixStore(config)  # what the store holds, as the next process counts it
+    assert after.usage().blocks == len(scan_store(after.root).blocks) <= 2000
+    after.close()
+
+
 def test_block_larger_than_capacity(tmp_path):
     s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), capacity_gb=1e-6))
     (result,) = s.wait(s.dump([key(1)], [bytes(5000)]))

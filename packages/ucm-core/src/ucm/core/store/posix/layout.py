@@ -27,7 +27,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import attrs
 from ucm.core.block_format import (
@@ -426,15 +426,17 @@ def evict_lru(
     *,
     skip: frozenset[str] | set[str] = frozenset(),
     dry_run: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[int, int]:
     """Delete least recently used blocks of the store ``root_fd`` (a descriptor of its
-    folder) until at most ``target_bytes`` remain (``dry_run``: only count them).
+    folder) until at most ``target_bytes`` remain (``dry_run``: only count them; ``stop``:
+    asked before each removal, true ends the pass at once, as when the store closes).
 
     Returns (bytes remaining, blocks remaining)."""
     total = scan.bytes
     count = len(scan.blocks)
     for block in eviction_order(scan.blocks, skip):
-        if total <= target_bytes:
+        if total <= target_bytes or (stop is not None and stop()):
             break
         try:
             if not dry_run:

@@ -154,9 +154,13 @@ class PosixStore(Store):
         ).start()
         # Keeps room ahead of the writers, so that a dump rarely waits for an eviction pass.
         self._evictor: threading.Event | None = None
+        self._evicting_thread: threading.Thread | None = None
         if self._limit is not None and not self._read_only:
             self._evictor = threading.Event()
-            threading.Thread(target=self._keep_room, name="ucm-posix-evict", daemon=True).start()
+            self._evicting_thread = threading.Thread(
+                target=self._keep_room, name="ucm-posix-evict", daemon=True
+            )
+            self._evicting_thread.start()
 
     def _prepare(self) -> None:
         """The blocks folder, the marker and the shared count; a store that cannot be
@@ -313,7 +317,7 @@ class PosixStore(Store):
         blocks: list[BlockFile] = []
         sampled = taken = 0
         batch = 4
-        while taken < len(folders) and not sample_is_enough(sampled, need):
+        while taken < len(folders) and not sample_is_enough(sampled, need) and not self._closed:
             part = scan_store(
                 self.root,
                 stale_temp_seconds=self.config.stale_temp_seconds,
@@ -327,16 +331,20 @@ class PosixStore(Store):
             # The whole store was listed: an exact pass, which corrects the count too.
             with self._lock:
                 target = self._capacity.eviction_target(size)
-            remaining = evict_lru(sample, target, self._root_fd, skip=reading)
+            remaining = evict_lru(sample, target, self._root_fd, skip=reading, stop=self._stopped)
             removed = (sampled - remaining[0], len(blocks) - remaining[1])
             with self._lock:
                 self._evicted += removed[1]
             return self._usage.resync(remaining, before, removed)[0]
-        left = evict_lru(sample, sampled - need, self._root_fd, skip=reading)
+        left = evict_lru(sample, sampled - need, self._root_fd, skip=reading, stop=self._stopped)
         removed = (sampled - left[0], len(blocks) - left[1])
         with self._lock:
             self._evicted += removed[1]
         return self._usage.add(-removed[0], -removed[1])[0]
+
+    def _stopped(self) -> bool:
+        """Whether the store is closing: a pass ends before its folder's descriptor goes."""
+        return self._closed
 
     def _keep_room(self) -> None:
         """The background evictor: woken when a dump leaves less than the headroom free
@@ -346,10 +354,11 @@ class PosixStore(Store):
         while True:
             self._evictor.wait()
             self._evictor.clear()
+            while not self._closed and not self._counted.wait(0.1):
+                pass  # a store nobody counted yet: its first scan is counting it
             if self._closed:
                 return
             try:
-                self._counted.wait()
                 used, _ = self._usage.read()
                 with self._lock:
                     room = not self._capacity.needs_headroom(used)
@@ -639,8 +648,10 @@ class PosixStore(Store):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
-            if self._evictor is not None:
+            if self._evictor is not None and self._evicting_thread is not None:
                 self._evictor.set()  # it sees the store closed and returns
+                # a pass stops at its next block: the folder's descriptor outlives it
+                self._evicting_thread.join()
             self._scanned.wait(5.0)  # a first scan still running finds the count closed
             if self._usage is not None:
                 self._usage.close()
