@@ -3,6 +3,7 @@ which blocks go first."""
 
 import attrs
 from ucm.core.store.posix.capacity import (
+    ROOM_BLOCKS,
     SAMPLE_FACTOR,
     Capacity,
     eviction_order,
@@ -63,10 +64,12 @@ def test_least_recently_used_go_first_and_blocks_being_read_never():
 def test_a_pass_frees_what_is_over_and_a_share_and_samples_a_multiple_of_it():
     capacity = Capacity(100_000, 0.01)
     share = 1000
-    assert capacity.pass_need(100, used=50_000) == share
-    assert capacity.pass_need(100, used=100_000) == 100 + share
+    assert capacity.pass_need(10, used=50_000) == share
+    assert capacity.pass_need(10, used=100_000) == 10 + share
     capacity.inflight_bytes = 400
-    assert capacity.pass_need(100, used=100_000) == 500 + share
+    assert capacity.pass_need(10, used=100_000) == 410 + share
+    # a small store still frees room for several blocks: one would go to other writers
+    assert capacity.pass_need(500, used=50_000) == ROOM_BLOCKS * 500
     assert not sample_is_enough(SAMPLE_FACTOR * 1000 - 1, 1000)
     assert sample_is_enough(SAMPLE_FACTOR * 1000, 1000)
 

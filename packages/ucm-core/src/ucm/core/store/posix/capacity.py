@@ -82,12 +82,16 @@ class Capacity:
     def pass_need(self, size: int, used: int) -> int:
         """The bytes one eviction pass frees, with ``used`` bytes stored, to make room for
         ``size`` more: what is over the limit, and ``evict_fraction`` of the capacity
-        besides, so that the next writes find room."""
+        besides (at least :data:`ROOM_BLOCKS` blocks of ``size``: in a small store, room
+        for one block would go to the other writers first), so that the next writes find
+        room."""
         assert self.limit is not None, "an unlimited store never evicts"
         over = max(0, used + self.inflight_bytes + size - self.limit)
-        return over + int(self.limit * self.evict_fraction)
+        return over + max(int(self.limit * self.evict_fraction), ROOM_BLOCKS * size)
 
 
+#: a pass frees room for at least this many blocks of the size that needed it
+ROOM_BLOCKS = 16
 #: a pass samples this many times what it frees, and frees the sample's oldest blocks
 SAMPLE_FACTOR = 4
 

@@ -427,14 +427,18 @@ def evict_lru(
     skip: frozenset[str] | set[str] = frozenset(),
     dry_run: bool = False,
     stop: Callable[[], bool] | None = None,
+    gone: Callable[[int, int], None] | None = None,
 ) -> tuple[int, int]:
     """Delete least recently used blocks of the store ``root_fd`` (a descriptor of its
     folder) until at most ``target_bytes`` remain (``dry_run``: only count them; ``stop``:
-    asked before each removal, true ends the pass at once, as when the store closes).
+    asked before each removal, true ends the pass at once, as when the store closes;
+    ``gone(bytes, blocks)``: told what was removed every :data:`GONE_EVERY` blocks and at
+    the end, so that writers waiting for room need not wait for the whole pass).
 
     Returns (bytes remaining, blocks remaining)."""
     total = scan.bytes
     count = len(scan.blocks)
+    pending = [0, 0]
     for block in eviction_order(scan.blocks, skip):
         if total <= target_bytes or (stop is not None and stop()):
             break
@@ -446,4 +450,15 @@ def evict_lru(
             continue
         total -= block.size
         count -= 1
+        pending[0] += block.size
+        pending[1] += 1
+        if gone is not None and pending[1] >= GONE_EVERY:
+            gone(*pending)
+            pending = [0, 0]
+    if gone is not None and pending[1]:
+        gone(*pending)
     return total, count
+
+
+#: blocks an eviction pass removes between two reports of what it freed
+GONE_EVERY = 32

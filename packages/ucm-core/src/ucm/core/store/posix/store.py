@@ -26,6 +26,7 @@ import os
 import random
 import stat
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -291,17 +292,22 @@ class PosixStore(Store):
         if self._take(size):
             return None
         assert self._usage is not None
-        for _ in range(3):  # the room one pass makes may go to other writers first
-            with self._usage.eviction(EVICTION_WAIT_S) as mine:
+        deadline = time.monotonic() + EVICTION_WAIT_S
+        passes = 0
+        while passes < 3:  # the room one pass makes may go to other writers first
+            with self._usage.eviction(0) as mine:
                 if self._take(size):  # another pass made room meanwhile
                     return None
-                if not mine:
-                    return (
-                        f"store is full and another process's eviction took over "
-                        f"{EVICTION_WAIT_S} s"
-                    )
-                if self._take(size, self._evict(size)):
-                    return None
+                if mine:
+                    passes += 1
+                    if self._take(size, self._evict(size)):
+                        return None
+                    continue
+            # Another pass runs (the background one, or another process's): it gives back
+            # room as it goes, so this dump goes on as soon as there is enough.
+            if time.monotonic() > deadline:
+                return f"store is full and another process's eviction took over {EVICTION_WAIT_S} s"
+            time.sleep(0.002)
         return "store is full: every block is being read or written"
 
     def _evict(self, size: int) -> int:
@@ -336,11 +342,17 @@ class PosixStore(Store):
             with self._lock:
                 self._evicted += removed[1]
             return self._usage.resync(remaining, before, removed)[0]
-        left = evict_lru(sample, sampled - need, self._root_fd, skip=reading, stop=self._stopped)
-        removed = (sampled - left[0], len(blocks) - left[1])
-        with self._lock:
-            self._evicted += removed[1]
-        return self._usage.add(-removed[0], -removed[1])[0]
+        usage = self._usage
+
+        def gone(nbytes: int, nblocks: int) -> None:  # given back as the pass goes
+            usage.add(-nbytes, -nblocks)
+            with self._lock:
+                self._evicted += nblocks
+
+        evict_lru(
+            sample, sampled - need, self._root_fd, skip=reading, stop=self._stopped, gone=gone
+        )
+        return usage.read()[0]
 
     def _stopped(self) -> bool:
         """Whether the store is closing: a pass ends before its folder's descriptor goes."""
