@@ -163,8 +163,10 @@ def test_evictions_and_load_errors_are_counted_by_cause(tmp_path):
     while "warm" not in reader.get_transfer_results(set())[1] and time.monotonic() < deadline:
         time.sleep(0.01)
     counts = reader.stats.take()
-    # block 0 is missing, and the three after it cannot be used (a hit is a prefix)
-    assert counts["load_errors:miss"] == 1 and counts["load_errors:after_failed"] == 3, counts
+    # block 0 is missing (the pass may take block 1 too), and what follows a missing block
+    # cannot be used (a hit is a prefix)
+    misses, after = counts["load_errors:miss"], counts["load_errors:after_failed"]
+    assert misses >= 1 and misses + after == 4, counts
     assert counts["loaded_blocks"] == 0
     reader.shutdown()
 

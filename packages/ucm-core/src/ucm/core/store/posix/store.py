@@ -467,7 +467,8 @@ class PosixStore(Store):
             except BaseException:
                 self._usage.add(-size, -1)
                 raise
-            if self._evictor is not None and self._capacity.needs_headroom(stored):
+            # (this block is still counted in flight too: not twice)
+            if self._evictor is not None and self._capacity.needs_headroom(stored - size):
                 self._evictor.set()
             published = True
             if self.config.fsync == "full":
