@@ -46,15 +46,6 @@ def test_a_write_that_ends_gives_its_bytes_back():
     assert capacity.inflight_bytes == 0 and capacity.take(1000, used=0)
 
 
-def test_eviction_frees_the_fraction_and_room_for_the_block_and_the_writes_in_flight():
-    capacity = Capacity(1000, 0.25)
-    assert capacity.eviction_target(100) == 750 - 100
-    capacity.inflight_bytes = 200
-    assert capacity.eviction_target(100) == 750 - 100 - 200
-    capacity.inflight_bytes = 2000  # more in flight than the floor: evict everything
-    assert capacity.eviction_target(100) == 0
-
-
 def test_least_recently_used_go_first_and_blocks_being_read_never():
     blocks = [Block("c", 30), Block("a", 10), Block("d", 40), Block("b", 20)]
     assert [b.name for b in eviction_order(blocks)] == ["a", "b", "c", "d"]
@@ -68,8 +59,11 @@ def test_a_pass_frees_what_is_over_and_a_share_and_samples_a_multiple_of_it():
     assert capacity.pass_need(10, used=100_000) == 10 + share
     capacity.inflight_bytes = 400
     assert capacity.pass_need(10, used=100_000) == 410 + share
-    # a small store still frees room for several blocks: one would go to other writers
+    # a small store still frees room for several of the largest blocks written: room for
+    # one would go to other writers
     assert capacity.pass_need(500, used=50_000) == ROOM_BLOCKS * 500
+    capacity.take(900, used=0)
+    assert capacity.pass_need(10, used=50_000) == ROOM_BLOCKS * 900
     assert not sample_is_enough(SAMPLE_FACTOR * 1000 - 1, 1000)
     assert sample_is_enough(SAMPLE_FACTOR * 1000, 1000)
 

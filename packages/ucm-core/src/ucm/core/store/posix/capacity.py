@@ -45,6 +45,7 @@ class Capacity:
     limit: int | None
     evict_fraction: float
     inflight_bytes: int = 0
+    largest: int = 0  # the largest block this process has written: what a pass makes room for
 
     def refusal(self, size: int) -> str | None:
         """Why a block of ``size`` bytes can never be stored, or None."""
@@ -55,17 +56,11 @@ class Capacity:
     def take(self, size: int, used: int) -> bool:
         """Count ``size`` bytes about to be written, if they fit beside the ``used`` bytes
         the store holds."""
+        self.largest = max(self.largest, size)
         if self.limit is not None and used + self.inflight_bytes + size > self.limit:
             return False
         self.inflight_bytes += size
         return True
-
-    def eviction_target(self, size: int) -> int:
-        """The bytes an eviction pass leaves on disk to make room for ``size`` more: down to
-        ``1 - evict_fraction`` of the limit, less what is being written."""
-        assert self.limit is not None, "an unlimited store never evicts"
-        floor = int(self.limit * (1 - self.evict_fraction))
-        return max(0, floor - size - self.inflight_bytes)
 
     def finished(self, size: int) -> None:
         """A write of ``size`` bytes ended (its block published or not)."""
@@ -82,12 +77,13 @@ class Capacity:
     def pass_need(self, size: int, used: int) -> int:
         """The bytes one eviction pass frees, with ``used`` bytes stored, to make room for
         ``size`` more: what is over the limit, and ``evict_fraction`` of the capacity
-        besides (at least :data:`ROOM_BLOCKS` blocks of ``size``: in a small store, room
-        for one block would go to the other writers first), so that the next writes find
-        room."""
+        besides (at least :data:`ROOM_BLOCKS` of the largest blocks written: in a small
+        store, room for one block would go to the other writers first), so that the next
+        writes find room."""
         assert self.limit is not None, "an unlimited store never evicts"
         over = max(0, used + self.inflight_bytes + size - self.limit)
-        return over + max(int(self.limit * self.evict_fraction), ROOM_BLOCKS * size)
+        room = ROOM_BLOCKS * max(size, self.largest)
+        return over + max(int(self.limit * self.evict_fraction), room)
 
 
 #: a pass frees room for at least this many blocks of the size that needed it

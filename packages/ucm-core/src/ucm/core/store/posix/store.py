@@ -335,8 +335,7 @@ class PosixStore(Store):
         sample = ScanResult(blocks, [], 0)
         if taken >= len(folders):
             # The whole store was listed: an exact pass, which corrects the count too.
-            with self._lock:
-                target = self._capacity.eviction_target(size)
+            target = max(0, sampled - need)
             remaining = evict_lru(sample, target, self._root_fd, skip=reading, stop=self._stopped)
             removed = (sampled - remaining[0], len(blocks) - remaining[1])
             with self._lock:
