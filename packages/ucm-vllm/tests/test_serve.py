@@ -22,7 +22,7 @@ import yaml
 from ucm.lab.testing.vllm.engine import mooncake_store, run_engine, shared_prefix_prompts
 from ucm.lab.testing.vllm.models import make_word_tokenizer, words
 from ucm.lab.testing.vllm.serve import Server, assert_same, chat, complete
-from ucm.lab.vllm.serve_process import serve_command
+from ucm.lab.vllm.serve_process import sample_values, serve_command
 
 pytestmark = pytest.mark.engine  # real engines, in fresh processes
 
@@ -300,17 +300,6 @@ def served_names(text: str) -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
-
-
-def sample_values(text: str) -> dict[str, float]:
-    """A Prometheus exposition's samples, summed over their labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
 
 
 # A client gives up while its prefix is still being read from a slow store.

@@ -119,14 +119,7 @@ class ServeProcess:
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, summed over labels: name -> value."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = self.metrics_text()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-        return out
+        return sample_values(self.metrics_text())
 
     def stop(self, timeout: float = 30) -> tuple[int | None, float]:
         """SIGTERM, as a process manager stops a server: (exit status or None, seconds)."""
@@ -145,3 +138,14 @@ class ServeProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._log.close()
+
+
+def sample_values(text: str) -> dict[str, float]:
+    """A Prometheus exposition's samples, summed over their labels: name -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
