@@ -247,7 +247,7 @@ def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
             master.kill()
             # The first call finds out, within timeout_s at most.
             found, took = _timed(lambda: store.lookup(keys))
-            assert found == [False] * 8 and took < 1.5
+            assert found == [False] * 8 and took < 2.5  # not the ~4.3 s of a wait
             assert not store.connected and store.master_failures == 1
             # From then on nothing waits on the dead master.
             for _ in range(20):
