@@ -216,7 +216,7 @@ def test_a_path_that_is_not_a_store_is_refused(tmp_path, what, command):
     assert done.returncode == 1, done.stdout + done.stderr
     expected = {
         "missing": "no such folder",
-        "empty_dir": "is not a UCM posix store",
+        "empty_dir": "is not a UCM store",
         "file": "is not a folder",
     }[what]
     if "--json" in command:  # one JSON object, on standard output

@@ -145,13 +145,11 @@ CRASH_CONFIGS = [
 ]
 
 
-@pytest.fixture(params=["disk", "shared memory"])
-def medium(request, tmp_path):
-    """(the store's folder, the children's settings): a posix store on the test's disk, or
-    a dram store of scope host (the same code on /dev/shm)."""
-    if request.param == "disk":
-        return tmp_path / "store", {}
-    return request.getfixturevalue("shm_dir"), {"dram": True}
+@pytest.fixture
+def medium(tmp_path):
+    """(the store's folder, the children's settings): a posix store on the test's disk (the
+    host dram store's own run in test_shm_arena.py)."""
+    return tmp_path / "store", {}
 
 
 def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):

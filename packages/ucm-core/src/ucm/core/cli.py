@@ -1,4 +1,5 @@
-"""The ``ucm`` command line: inspect, verify and trim a posix store; name a model's weights.
+"""The ``ucm`` command line: inspect, verify and trim a store (a posix store's folder, a host
+dram store's arena); name a model's weights.
 Other distributions add commands through the ``ucm.commands`` entry points (ucm-lab adds
 ``ucm bench``)."""
 
@@ -19,6 +20,8 @@ from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
 from ucm.core.settings import GIB, MAX_GIB, ConfigError
 from ucm.core.signing import BlockSigner, signer_for
 from ucm.core.sizing import DEFAULT_BLOCK_TOKENS, KV_CACHE_DTYPES
+from ucm.core.store.dram.arena import ARENA_FILE, Arena
+from ucm.core.store.dram.shared import verify_arena
 from ucm.core.store.posix import (
     BLOCKS_DIR,
     NEEDS_SECRET,
@@ -52,19 +55,57 @@ def _stores(path: str) -> list[str]:
         raise CliError(f"{path}: no such folder")
     if not os.path.isdir(root):
         raise CliError(f"{path} is not a folder, so not a UCM posix store")
-    if os.path.isdir(os.path.join(root, BLOCKS_DIR)):
+    if _is_store(root):
         return [root]
     groups = [os.path.join(root, g) for g in (FA_SUBDIR, WA_SUBDIR)]
-    found = [g for g in groups if os.path.isdir(os.path.join(g, BLOCKS_DIR))]
+    found = [g for g in groups if _is_store(g)]
     if found:
         return found
     raise CliError(
-        f"{path} is not a UCM posix store (no {BLOCKS_DIR}/ folder, nor a hybrid model's "
-        f"{FA_SUBDIR}/ and {WA_SUBDIR}/)"
+        f"{path} is not a UCM store (no {BLOCKS_DIR}/ folder of a posix store, no "
+        f"{ARENA_FILE} of a dram store, nor a hybrid model's {FA_SUBDIR}/ and {WA_SUBDIR}/)"
     )
 
 
+def _is_store(folder: str) -> bool:
+    """A posix store's folder, or a host dram store's (its arena file)."""
+    return os.path.isdir(os.path.join(folder, BLOCKS_DIR)) or _is_arena(folder)
+
+
+def _is_arena(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, ARENA_FILE))
+
+
+def _arena(root: str) -> Arena:
+    arena = Arena.attach(root, capacity_bytes=1 << 62)
+    if arena is None:
+        raise CliError(f"{root}/{ARENA_FILE} is not an arena this build reads, or not yours")
+    return arena
+
+
+def _arena_stats(root: str) -> dict[str, object]:
+    arena = _arena(root)
+    try:
+        with arena.locked():  # a dead holder's leftovers are mended first
+            found = arena.stats()
+    finally:
+        arena.close()
+    capacity = found["slots"] * found["slot_bytes"]
+    return {
+        "path": root,
+        "kind": "dram",
+        "blocks": found["blocks"],
+        "bytes": found["bytes"],
+        "capacity_bytes": capacity,
+        "capacity_used": found["blocks"] / found["slots"],
+        "foreign_files": 0,
+        "arena": found,
+    }
+
+
 def _stats(root: str) -> dict[str, object]:
+    if _is_arena(root):
+        return _arena_stats(root)
     scan = scan_store(root)
     marked = read_marker(root).get("capacity_bytes")
     capacity = marked if isinstance(marked, int) and marked > 0 else None
@@ -98,6 +139,12 @@ def _print_stats(stats: dict[str, object]) -> None:
         print(f"capacity  {_human(capacity)}, {100 * used:.1f}% used")  # type: ignore[arg-type,operator]
     else:
         print("capacity  unlimited")
+    if "arena" in stats:
+        arena = stats["arena"]
+        print(
+            f"slots     {arena['slots']} of {_human(arena['slot_bytes'])} in shared memory, "  # type: ignore[index]
+            f"{arena['evicted']} evicted so far"  # type: ignore[index]
+        )
     if stats["foreign_files"]:
         print(f"foreign   {stats['foreign_files']} files that are not UCM blocks")
 
@@ -109,6 +156,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify(root: str, signer: BlockSigner | None, remove: bool) -> int:
     """Verify one store; 1 if a corrupt block is left in it."""
+    if _is_arena(root):
+        return _verify_arena(root, signer, remove)
     scan = scan_store(root)
     corrupt: list[tuple[str, str]] = []
     unchecked = 0
@@ -147,6 +196,22 @@ def _verify(root: str, signer: BlockSigner | None, remove: bool) -> int:
     return 1 if left else 0
 
 
+def _verify_arena(root: str, signer: BlockSigner | None, remove: bool) -> int:
+    arena = _arena(root)
+    try:
+        checked, corrupt = verify_arena(arena, signer, remove)
+        problems = arena.check()
+    finally:
+        arena.close()
+    for problem in problems:
+        print(f"INCONSISTENT {root}/{ARENA_FILE}: {problem}")
+    left = 0 if remove else corrupt
+    verdict = "FAILED" if left or problems else ("REPAIRED" if corrupt else "OK")
+    removed = f" ({corrupt} removed)" if remove and corrupt else ""
+    print(f"{verdict}: {checked} blocks checked, {corrupt} corrupt{removed}")
+    return 1 if left or problems else 0
+
+
 def positive_number(kind: type, high: float) -> Callable[[str], Any]:
     """An argparse type: a number of ``kind`` in (0, ``high``] (so never inf or nan)."""
 
@@ -172,6 +237,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     roots = _stores(args.path)
     for root in roots:
         label = f"gc {os.path.basename(root)}" if len(roots) > 1 else "gc"
+        if _is_arena(root):
+            if args.capacity_gb is not None:
+                _gc_arena(root, int(args.capacity_gb * GIB), args.dry_run, label)
+            continue  # one format version: the arena's geometry and version are checked
         if args.other_versions:
             _gc_other_versions(root, args.dry_run, label)
         if args.capacity_gb is not None:
@@ -226,6 +295,22 @@ def _gc(root: str, target: int, dry_run: bool, label: str) -> None:
     print(
         f"{label}: {what}, {_human(before)} -> {_human(remaining)} (capacity "
         f"{_human(target)}), {scan.temps_removed} stale temporary files removed"
+    )
+
+
+def _gc_arena(root: str, target: int, dry_run: bool, label: str) -> None:
+    arena = _arena(root)
+    try:
+        before = arena.stats()
+        over = max(0, before["blocks"] - target // arena.geometry.slot_bytes)
+        gone = over if dry_run else arena.evict(over) if over else 0
+        after = before["bytes"] if dry_run else arena.stats()["bytes"]
+    finally:
+        arena.close()
+    what = f"would remove {gone} blocks" if dry_run else f"{gone} blocks removed"
+    print(
+        f"{label}: {what}, {_human(before['bytes'])} -> {_human(after)} (capacity "
+        f"{_human(target)})"
     )
 
 
@@ -363,7 +448,7 @@ def build_parser(plugins: Sequence[EntryPoint] | None = None) -> argparse.Argume
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    store = sub.add_parser("store", help="inspect and maintain a posix store directory")
+    store = sub.add_parser("store", help="inspect and maintain a posix store's folder or a dram store's shared memory")
     store_sub = store.add_subparsers(dest="store_command", required=True)
     stats = store_sub.add_parser("stats", help="blocks, bytes and capacity use")
     stats.add_argument("path")

@@ -347,7 +347,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
             for thing in opened:
                 (thing.stop if hasattr(thing, "stop") else thing.close)()
                 if isinstance(thing, SharedMemoryStore):
-                    shutil.rmtree(thing.dram_config.path, ignore_errors=True)
+                    shutil.rmtree(thing.config.path, ignore_errors=True)
             shutil.rmtree(raw_dir, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

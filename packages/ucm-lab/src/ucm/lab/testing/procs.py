@@ -48,10 +48,12 @@ def _store(cfg: dict):
     from ucm.core.config import DramStoreConfig, PosixStoreConfig
     from ucm.core.store import PosixStore, SharedMemoryStore
 
-    if cfg.get("dram"):  # a host-scope dram store: a posix store in shared memory
-        return SharedMemoryStore(
-            DramStoreConfig(path=cfg["root"], capacity_gb=cfg.get("capacity_gb") or 1.0)
+    if cfg.get("dram"):  # a host-scope dram store: an arena in shared memory
+        store = SharedMemoryStore(
+            DramStoreConfig(path=cfg["root"], capacity_gb=cfg.get("capacity_gb") or 0.0625)
         )
+        store.check_block_bytes(cfg["max_size"])  # as an engine does at start-up
+        return store
     return PosixStore(
         PosixStoreConfig(
             path=cfg["root"],

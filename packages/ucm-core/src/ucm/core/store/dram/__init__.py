@@ -1,7 +1,7 @@
 """The dram store: blocks in host memory.
 
 - :mod:`.config`: its settings (both scopes);
-- :mod:`.shared`: scope ``host``, shared memory: a posix store on a memory filesystem,
+- :mod:`.shared`: scope ``host``, shared memory: an arena (:mod:`.arena`) on a memory filesystem,
   shared by every process on the host (:class:`SharedMemoryStore`);
 - :mod:`.process`: scope ``process``, this process's own memory (:class:`DramStore`).
 """

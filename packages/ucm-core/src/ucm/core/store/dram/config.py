@@ -12,6 +12,7 @@ from ucm.core.settings import (
     boolean,
     non_empty_str,
     one_of,
+    int_in_range,
     setting,
     size_gib,
 )
@@ -60,6 +61,13 @@ class DramStoreConfig:
         validator=boolean,
     )
 
+    threads: int = setting(
+        "Threads that copy blocks into and out of shared memory, each taking whole blocks "
+        "of a batch (copies and checksums release the GIL, so they overlap across cores). "
+        "Host scope only.",
+        default=2,
+        validator=int_in_range(1, 64),
+    )
     secret: str | None = setting(
         "Sign every block with a deployment secret (``env:NAME`` or ``file:PATH``), as the "
         "posix store's ``secret``. Host scope only.",
@@ -75,6 +83,8 @@ class DramStoreConfig:
         if self.scope == "process":
             if self.path != default_shared_memory_path():
                 raise ConfigError("path", "applies to scope 'host' only (process memory has none)")
+            if self.threads != attrs.fields(DramStoreConfig).threads.default:
+                raise ConfigError("threads", "applies to scope 'host' only")
             if self.secret is not None:
                 raise ConfigError(
                     "secret", "applies to scope 'host' only (no other process sees this memory)"

@@ -2,44 +2,442 @@
 
 An engine's lookups and its loads may run in different processes (vLLM asks its scheduler
 process what is stored and moves blocks in its worker processes), and users expect host
-memory to survive an engine restart.  Memory private to one process gives neither, so the
-host-scope dram store is a posix store on a memory filesystem (tmpfs, ``/dev/shm``): the same
-block files with their header and checksum verified on every load, the capacity with least
-recently used blocks evicted, a block published only once whole (a writer killed mid-block
-leaves nothing a reader would take), sharing across processes, and ``ucm store`` to inspect
-it.  What changes is the medium: reads and writes are copies from and to RAM.
+memory to survive an engine restart, so the host scope keeps its blocks in one arena file
+on a memory filesystem (:mod:`.arena`) that every process maps.  A dump or load is a copy
+into or out of a slot, sealed and verified as it moves: an xxh3 checksum, or the keyed MAC
+of a signed store, over the block as it lies in shared memory, checked on every load.
+
+The arena's slots have one size, fixed by the first engine that writes: the block size
+workers announce at start-up (``check_block_bytes``), or the first block dumped.  A store
+whose arena holds other blocks and is in use elsewhere refuses at start-up with the
+path to change; an arena nobody holds is replaced.
+
+Copies run on ``threads`` threads, a batch's blocks dealt out among them: numpy copies and
+xxh3 release the GIL, so one thread's hashing overlaps another's copy and the store moves
+blocks at memory speed with the checksum on.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import numpy as np
+import xxhash
 from ucm.core.settings import GIB, ConfigError
+from ucm.core.signing import BlockSigner, signer_for
+from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.dram.arena import (
+    Arena,
+    ArenaBusy,
+    ArenaMismatch,
+    Geometry,
+    Pinned,
+)
 from ucm.core.store.dram.config import DramStoreConfig
-from ucm.core.store.folder import nearest_existing
-from ucm.core.store.posix.config import PosixStoreConfig
-from ucm.core.store.posix.store import PosixStore
+from ucm.core.store.folder import check_before_creating, check_store_folder, nearest_existing
+from ucm.core.store.payload import Payload
+from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
+
+log = logging.getLogger(__name__)
 
 #: filesystems whose files live in RAM
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 MOUNTINFO = "/proc/self/mountinfo"
+#: bytes copied, then hashed while still in the cache
+HASH_CHUNK = 256 << 10
+#: parts smaller than this are copied by memoryview (numpy's call costs more than it saves)
+NUMPY_COPY_MIN = 64 << 10
+_KEY = struct.Struct("<QQ")
+_HEADER = struct.Struct("<QQQQ")  # what a MAC covers before the payload: name, layout, length
 
 
-class SharedMemoryStore(PosixStore):
-    """A ``dram`` store of scope ``host``: a posix store in ``config.path`` on a memory
-    filesystem, refused at start-up where the path is on a disk or the filesystem is smaller
-    than the capacity."""
+class SharedMemoryStore(Store):
+    """A ``dram`` store of scope ``host``: an arena in ``config.path`` on a memory
+    filesystem, refused at start-up where the path is on a disk, is open to other users or
+    the filesystem is smaller than the capacity."""
 
     def __init__(self, config: DramStoreConfig) -> None:
         check_memory_filesystem(config.path, config.capacity_bytes)
-        self.dram_config = config
-        super().__init__(
-            PosixStoreConfig(path=config.path, capacity_gb=config.capacity_gb, secret=config.secret)
-        )
+        check_before_creating(config.path, shared=False)
+        os.makedirs(config.path, mode=0o700, exist_ok=True)
+        self.root = check_store_folder(config.path, shared=False)
+        self.config = config
+        self._capacity = config.capacity_bytes
+        self._signer = signer_for(config.secret)
+        self._arena: Arena | None = None  # attached on first use: see check_block_bytes
+        self._arena_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="ucm-shm")
+        self._closed = False
 
     @property
     def reads_from_memory(self) -> bool:
-        return True  # files on a memory filesystem
+        return True
+
+    @property
+    def evicted_blocks(self) -> int:
+        arena = self._arena
+        return 0 if arena is None else arena.evicted_here
+
+    # -- the arena --
+
+    def _attached(self) -> Arena | None:
+        """The arena, attached if another process made one (an open that fails costs a few
+        microseconds); None while there is none."""
+        arena = self._arena
+        if arena is not None:
+            return arena
+        with self._arena_lock:
+            if self._arena is None and not self._closed:
+                self._arena = Arena.attach(self.root, self._capacity, data=False)
+            return self._arena
+
+    def _arena_for(self, nbytes: int) -> Arena:
+        """The arena, made for blocks of ``nbytes`` if there is none yet; ``ConfigError``
+        where the blocks cannot be held."""
+        if nbytes > self._capacity:
+            raise ConfigError(
+                "store.capacity_gb",
+                f"{self.config.capacity_gb} GiB cannot hold one block of {nbytes} bytes",
+            )
+        with self._arena_lock:
+            if self._closed:
+                raise RuntimeError("the store is closed")
+            if self._arena is None:
+                geometry = Geometry.for_blocks(nbytes, self._capacity)
+                try:
+                    self._arena = Arena.open(self.root, geometry)
+                except (ArenaMismatch, PermissionError) as exc:
+                    raise ConfigError("store.path", str(exc)) from None
+                except OSError as exc:  # no room left in the memory filesystem
+                    raise ConfigError(
+                        "store.capacity_gb",
+                        f"cannot reserve {self.config.capacity_gb:g} GiB in {self.root}: "
+                        f"{exc.strerror} (other users of the filesystem took its room: "
+                        "lower capacity_gb or enlarge the filesystem)",
+                    ) from None
+                log.info(
+                    "ucm dram store %s: %d slots of %d bytes in shared memory",
+                    self.root, geometry.slots, geometry.slot_bytes,
+                )  # fmt: skip
+            arena = self._arena
+        if nbytes > arena.geometry.slot_bytes:
+            raise ConfigError(
+                "store.path",
+                f"the arena in {self.root} has slots of {arena.geometry.slot_bytes} "
+                f"bytes, made for other blocks; blocks of {nbytes} bytes need their own path "
+                f"(or, once no engine uses it, delete {self.root}/arena)",
+            )
+        arena.map_data()
+        return arena
+
+    def check_block_bytes(self, nbytes: int) -> None:
+        self._arena_for(nbytes)
+
+    def _words(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        signer = self._signer
+        if signer is None:
+            return [_KEY.unpack(bytes(k)) for k in keys]
+        return [_KEY.unpack(signer.name(bytes(k))) for k in keys]
+
+    # -- dump --
+
+    def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
+        payloads = check_batch(keys, buffers, writable=False)
+        if not keys:
+            return Task.completed([])
+        try:
+            arena = self._arena_for(max(p.nbytes for p in payloads))
+            words = self._words(keys)
+            reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
+        except (ConfigError, ArenaBusy) as exc:
+            return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
+        task = Task(len(keys))
+        todo: list[int] = []
+        for i, got in enumerate(reserved):
+            if got is True:
+                task.set_result(i, OK)  # stored already
+            elif got is False:
+                task.set_result(i, _FULL)
+            else:
+                todo.append(i)
+        layout_word = _layout_word(layout)
+        for group in self._groups(todo):
+            self._pool.submit(
+                self._dump_group, task, arena, group, words, payloads, reserved, layout_word
+            )
+        return task
+
+    def _groups(self, indices: list[int]) -> list[list[int]]:
+        """The batch's keys dealt out to the copy threads (whole blocks each)."""
+        n = min(self.config.threads, len(indices))
+        return [indices[k::n] for k in range(n)]
+
+    def _dump_group(
+        self,
+        task: Task,
+        arena: Arena,
+        group: list[int],
+        words: list[tuple[int, int]],
+        payloads: list[Payload],
+        reserved: list[Any],
+        layout_word: int,
+    ) -> None:
+        written: list[tuple[int, int, int, int, bytes] | None] = [None] * len(group)
+        ran = False
+
+        def work() -> list[KeyResult]:
+            nonlocal ran
+            ran = True
+            results: list[KeyResult] = []
+            for j, i in enumerate(group):
+                slot, gen = reserved[i]
+                try:
+                    parts = payloads[i].parts
+                    dst = arena.slot(slot, payloads[i].nbytes)
+                    seal = move_sealed(
+                        self._signer, words[i], layout_word, parts, dst, into=True
+                    )
+                except (TypeError, ValueError) as exc:
+                    results.append(KeyResult(Status.ERROR, str(exc)))
+                    continue
+                if task.cancelled:
+                    results.append(CANCELLED)  # a dump cancelled mid-way is not published
+                    continue
+                written[j] = (slot, gen, dst.nbytes, layout_word, seal)
+                results.append(OK)
+            published = self._publish(arena, written, [words[i] for i in group])
+            return [
+                r if not r.ok or done else _LOST for r, done in zip(results, published)
+            ]
+
+        try:
+            task.run_keys(group, work)
+        finally:
+            if not ran:  # cancelled before it started: the reserved slots go back
+                self._publish(arena, written, [words[i] for i in group])
+
+    @staticmethod
+    def _publish(
+        arena: Arena, written: list[Any], words: list[tuple[int, int]]
+    ) -> list[bool]:
+        try:
+            return arena.publish(written, words)
+        except ArenaBusy:  # the slots stay WRITING until their lease ends, then are reclaimed
+            return [False] * len(written)
+
+    # -- load --
+
+    def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
+        payloads = check_batch(keys, buffers, writable=True)
+        arena = self._attached()
+        if arena is None or not keys:
+            return Task.completed([MISS] * len(keys))
+        try:
+            arena.map_data()
+            words = self._words(keys)
+            pinned = arena.pin(words)
+        except ArenaBusy as exc:
+            return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
+        task = Task(len(keys))
+        todo = []
+        for i, pin in enumerate(pinned):
+            if pin is None:
+                task.set_result(i, MISS)
+            else:
+                todo.append(i)
+        layout_word = _layout_word(layout)
+        for group in self._groups(todo):
+            self._pool.submit(
+                self._load_group, task, arena, group, words, payloads, pinned, layout_word
+            )
+        return task
+
+    def _load_group(
+        self,
+        task: Task,
+        arena: Arena,
+        group: list[int],
+        words: list[tuple[int, int]],
+        payloads: list[Payload],
+        pinned: list[Pinned | None],
+        layout_word: int,
+    ) -> None:
+        pins = [pinned[i] for i in group]
+        ran = False
+
+        def work() -> list[KeyResult]:
+            nonlocal ran
+            ran = True
+            results: list[KeyResult] = []
+            bad: list[Pinned] = []
+            for i, pin in zip(group, pins):
+                assert pin is not None
+                results.append(self._load_one(arena, words[i], payloads[i], pin, layout_word))
+                if results[-1].status is Status.CORRUPT:
+                    bad.append(pin)
+            try:
+                same = arena.unpin(pins, bad)  # type: ignore[arg-type]
+            except ArenaBusy as exc:
+                return [KeyResult(Status.ERROR, str(exc))] * len(group)
+            return [r if kept else MISS for r, kept in zip(results, same)]
+
+        try:
+            task.run_keys(group, work)
+        finally:
+            if not ran:
+                try:
+                    arena.unpin(pins)  # type: ignore[arg-type]
+                except ArenaBusy:
+                    pass  # the pins' leases end by themselves
+
+    def _load_one(
+        self,
+        arena: Arena,
+        words: tuple[int, int],
+        payload: Payload,
+        pin: Pinned,
+        layout_word: int,
+    ) -> KeyResult:
+        if pin.length != payload.nbytes or pin.layout != layout_word:
+            return KeyResult(
+                Status.ERROR,
+                f"stored block is {pin.length} bytes of layout {pin.layout:#x}, asked for "
+                f"{payload.nbytes} bytes of layout {layout_word:#x}",
+            )
+        try:
+            parts = payload.parts
+        except (TypeError, ValueError) as exc:
+            return KeyResult(Status.ERROR, str(exc))
+        src = arena.slot(pin.slot, pin.length)
+        seal = move_sealed(self._signer, words, layout_word, parts, src, into=False)
+        if not seal_matches(seal, pin.seal):
+            what = "MAC" if self._signer is not None else "checksum"
+            return KeyResult(Status.CORRUPT, f"the block in shared memory fails its {what}")
+        return OK
+
+    # -- the rest --
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        check_keys(keys)
+        arena = self._attached()
+        if arena is None or not keys:
+            return [False] * len(keys)
+        return arena.found(np.array(self._words(keys), dtype=np.uint64).reshape(-1, 2)).tolist()
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        found = self.lookup(keys)
+        return found.index(False) if False in found else len(found)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        check_keys(keys)
+        arena = self._attached()
+        if arena is None or not keys:
+            return 0
+        return arena.remove(self._words(keys))
+
+    def usage(self) -> StoreUsage:
+        arena = self._attached()
+        if arena is None:
+            return StoreUsage(0, 0, self._capacity)
+        stats = arena.stats()
+        return StoreUsage(stats["blocks"], stats["bytes"], self._capacity)
+
+    def close(self) -> None:
+        with self._arena_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        if self._arena is not None:
+            self._arena.close()
+
+
+_FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")
+_LOST = KeyResult(Status.ERROR, "the slot was reclaimed before the block was published")
+
+
+def _layout_word(layout: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(layout) if layout else 0
+
+
+def move_sealed(
+    signer: BlockSigner | None,
+    words: tuple[int, int],
+    layout_word: int,
+    parts: Sequence[memoryview],
+    slot: memoryview,
+    *,
+    into: bool,
+) -> bytes:
+    """Copy ``parts`` into the slot (``into``) or the slot into ``parts`` (empty ``parts``:
+    only read it), hashing the slot's bytes chunk by chunk as they pass through the cache;
+    the block's seal: its xxh3-64, or with a secret the keyed MAC of its name (the index
+    words), layout, length and bytes."""
+    if signer is None:
+        hasher = xxhash.xxh3_64()
+    else:
+        hasher = signer.hasher()
+        hasher.update(_HEADER.pack(*words, layout_word, slot.nbytes))
+    if not parts:
+        for off in range(0, slot.nbytes, HASH_CHUNK):
+            hasher.update(slot[off : off + HASH_CHUNK])
+    at = 0
+    for part in parts:
+        n = part.nbytes
+        for off in range(0, n, HASH_CHUNK):
+            size = min(HASH_CHUNK, n - off)
+            piece = slot[at + off : at + off + size]
+            if into:
+                _copy(piece, part[off : off + size])
+                hasher.update(piece)
+            else:
+                hasher.update(piece)
+                _copy(part[off : off + size], piece)
+        at += n
+    if signer is None:
+        return hasher.intdigest().to_bytes(8, "little")  # type: ignore[no-any-return]
+    return hasher.digest()  # type: ignore[no-any-return]
+
+
+def seal_matches(seal: bytes, stored: bytes) -> bool:
+    """Whether a computed seal is the stored one (zero-padded to the column's width)."""
+    return hmac.compare_digest(seal.ljust(len(stored), b"\0"), stored)
+
+
+def verify_arena(arena: Arena, signer: BlockSigner | None, remove: bool) -> tuple[int, int]:
+    """Check every stored block's seal (``ucm store verify``); drop the bad ones if
+    ``remove``.  (blocks checked, corrupt)."""
+    arena.map_data()
+    npc = arena.np
+    checked = corrupt = 0
+    for slot in arena.ready_slots():
+        words = (int(npc["key0"][slot]), int(npc["key1"][slot]))
+        (pin,) = arena.pin([words])
+        if pin is None or pin.slot != slot:
+            continue  # gone meanwhile
+        checked += 1
+        seal = move_sealed(signer, words, pin.layout, (), arena.slot(slot, pin.length), into=False)
+        bad = not seal_matches(seal, pin.seal)
+        corrupt += bad
+        arena.unpin([pin], [pin] if bad and remove else ())
+    return checked, corrupt
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``, through numpy for large pieces: its copy releases the GIL, so the
+    store's threads copy side by side."""
+    if dst.nbytes < NUMPY_COPY_MIN:
+        dst[:] = src
+    else:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 def check_memory_filesystem(path: str, capacity_bytes: int) -> None:

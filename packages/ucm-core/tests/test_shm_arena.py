@@ -1,0 +1,284 @@
+"""The host dram store's arena across real processes and real failures: a writer killed at
+any moment leaves nothing torn, a process killed holding the lock leaves books that the next
+one mends, a stopped one stalls nobody past the lock's bound, processes sharing the arena
+never see wrong bytes and never pass its capacity, eviction is least recently used and
+never takes a block being read.  Children run ``ucm.lab.testing.procs``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from ucm.core.config import DramStoreConfig
+from ucm.core.settings import GIB, ConfigError
+from ucm.core.store import SharedMemoryStore, Status
+from ucm.core.store.dram import arena as arena_module
+from ucm.lab.testing.core import blob, key
+from ucm.lab.testing.procs import key_of, payload_of, size_of
+
+TIMEOUT = 120
+MAX_SIZE = 48 * 1024
+
+
+def child(mode: str, cfg: dict, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ucm.lab.testing.procs", mode, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def ucm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ucm.core.cli", *args], capture_output=True, text=True,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+
+
+def open_store(root, capacity_gb: float = 0.0625, block: int = MAX_SIZE) -> SharedMemoryStore:
+    store = SharedMemoryStore(DramStoreConfig(path=str(root), capacity_gb=capacity_gb))
+    store.check_block_bytes(block)
+    return store
+
+
+def test_a_writer_killed_at_random_moments_leaves_only_whole_blocks(shm_dir):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    n_keys = 64
+    for i in range(12):
+        cfg = {"root": str(shm_dir), "dram": True, "seed": rng.getrandbits(32),
+               "n_keys": n_keys, "max_size": MAX_SIZE}  # fmt: skip
+        proc = child("crash", cfg)
+        try:
+            line = proc.stdout.readline()
+            if line.strip() == "running":
+                time.sleep(rng.uniform(0, 0.05))
+                proc.kill()
+            out, err = proc.communicate(timeout=TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert line.strip() == "running", f"child {i} (seed {seed}) did not start:\n{err}"
+        assert proc.returncode == -signal.SIGKILL, f"child {i} (seed {seed}):\n{out}{err}"
+
+    store = open_store(shm_dir)
+    try:
+        keys = [key_of(j) for j in range(n_keys)]
+        outs = [bytearray(size_of(k, MAX_SIZE)) for k in keys]
+        results = store.wait(store.load(keys, outs), 30)
+        for k, out, r in zip(keys, outs, results):
+            assert r.status in (Status.OK, Status.MISS), (k.hex(), r)
+            if r.ok:
+                assert bytes(out) == payload_of(k, MAX_SIZE), k.hex()
+        assert any(r.ok for r in results), "the children stored nothing"
+        arena = store._arena
+        with arena.locked():  # mends whatever a kill inside the lock left
+            assert arena.check() == []
+    finally:
+        store.close()
+    done = ucm("store", "verify", str(shm_dir))
+    assert done.returncode == 0 and "OK: " in done.stdout, done.stdout + done.stderr
+
+
+KILLED_HOLDER = """
+import os, sys, time
+from ucm.core.config import DramStoreConfig
+from ucm.core.store import SharedMemoryStore
+store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb=0.0625))
+store.check_block_bytes(4096)
+arena = store._arena
+with arena.locked():
+    # half a change: a slot taken off the free stack and not yet anything else
+    arena._sb[arena_module_SB_FREE_TOP] -= 1
+    print("holding", flush=True)
+    time.sleep(600)
+""".replace("arena_module_SB_FREE_TOP", str(arena_module.SB_FREE_TOP))
+
+
+def test_a_process_killed_holding_the_lock_leaves_books_the_next_one_mends(shm_dir):
+    store = open_store(shm_dir, block=4096)
+    keys = [key(i) for i in range(20)]
+    assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, 4096) for i in range(20)])))
+    holder = subprocess.Popen([sys.executable, "-c", KILLED_HOLDER, str(shm_dir)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+    finally:
+        holder.kill()
+        holder.wait()
+    arena = store._arena
+    out = [np.zeros(4096, np.uint8) for _ in keys]
+    assert all(r.ok for r in store.wait(store.load(keys, out), 10))  # the lock is free
+    assert arena.stats()["recoveries"] == 1
+    with arena.locked():
+        assert arena.check() == []
+    for i, got in enumerate(out):
+        np.testing.assert_array_equal(got, blob(i, 4096))
+    store.close()
+
+
+STOPPED_HOLDER = """
+import os, sys
+from ucm.core.config import DramStoreConfig
+from ucm.core.store import SharedMemoryStore
+store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb=0.0625))
+store.check_block_bytes(4096)
+with store._arena.locked():
+    print("holding", flush=True)
+    os.kill(os.getpid(), 19)  # SIGSTOP: stopped, not dead, with the lock
+"""
+
+
+def test_a_stopped_lock_holder_stalls_nobody_past_the_bound(shm_dir):
+    store = open_store(shm_dir, block=4096)
+    keys = [key(i) for i in range(4)]
+    assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, 4096) for i in range(4)])))
+    holder = subprocess.Popen([sys.executable, "-c", STOPPED_HOLDER, str(shm_dir)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        arena = store._arena
+        started = time.monotonic()
+        with pytest.raises(arena_module.ArenaBusy):
+            with arena.locked(wait_s=0.5):
+                pass
+        assert time.monotonic() - started < 5  # bounded (0.5 s asked)
+        # the store's calls answer within LOCK_WAIT_S (errors, not hangs), and lookups,
+        # which take no lock, still hit
+        loaded = store.wait(store.load(keys, [bytearray(4096) for _ in keys]), 30)
+        assert all(r.status is Status.ERROR for r in loaded), loaded
+        dumped = store.wait(store.dump([key(9)], [blob(9, 4096)]), 30)
+        assert dumped[0].status is Status.ERROR
+        assert store.lookup_prefix(keys) == 4
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        holder.kill()
+        holder.wait()
+    out = [bytearray(4096) for _ in keys]
+    assert all(r.ok for r in store.wait(store.load(keys, out), 10))  # its death frees the lock
+    store.close()
+
+
+@pytest.mark.parametrize("capacity", [None, 3 << 20], ids=["roomy", "evicting"])
+def test_processes_sharing_the_arena_never_see_wrong_bytes_nor_pass_its_capacity(
+    shm_dir, capacity
+):
+    procs = []
+    try:
+        for i in range(4):
+            cfg = {"root": str(shm_dir), "dram": True, "seed": 1000 + i, "n_keys": 192,
+                   "max_size": 64 * 1024, "seconds": 3.0,
+                   "capacity_gb": capacity / GIB if capacity else None}  # fmt: skip
+            procs.append(child("stress", cfg, stdin=subprocess.PIPE))
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        reports = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=TIMEOUT)
+            assert proc.returncode == 0, f"child exited {proc.returncode}:\n{out}\n{err}"
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    total: dict[str, int] = {}
+    for report in reports:
+        assert report["n_bad"] == 0, report["bad"]
+        for name, n in report["counts"].items():
+            total[name] = total.get(name, 0) + n
+    assert {n for n in total if n.startswith(("dump_", "load_"))} <= {
+        "dump_ok", "load_ok", "load_miss"
+    }, total  # fmt: skip
+    assert total.get("dump_ok", 0) > 0 and total.get("load_ok", 0) > 0, total
+    store = open_store(shm_dir, capacity_gb=(capacity or 0.0625 * GIB) / GIB, block=64 * 1024)
+    try:
+        arena = store._arena
+        with arena.locked():
+            assert arena.check() == []
+        stats = arena.stats()
+        assert stats["writing"] == 0 and stats["pinned"] == 0  # nothing left held
+        # the capacity is the arena's size: no process, however many, writes past it
+        assert arena.geometry.slots * arena.geometry.slot_bytes <= (capacity or 0.0625 * GIB)
+        if capacity:
+            assert stats["evicted"] > 0
+    finally:
+        store.close()
+    done = ucm("store", "verify", str(shm_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_eviction_takes_the_least_recently_used_and_never_a_block_being_read(shm_dir):
+    size = 64 * 1024
+    store = open_store(shm_dir, capacity_gb=16 * size / GIB, block=size)
+    arena = store._arena
+    assert arena.geometry.slots == 16
+    keys = [key(i) for i in range(40)]
+    assert all(r.ok for r in store.wait(store.dump(keys[:16], [blob(i, size) for i in range(16)])))
+    # key 0 is read again (now the most recent); key 1 is pinned by a load in progress
+    assert store.wait(store.load(keys[:1], [bytearray(size)]))[0].ok
+    (pin,) = arena.pin(store._words(keys[1:2]))
+    try:
+        for i in range(16, 30):  # 14 more, one at a time
+            assert store.wait(store.dump([keys[i]], [blob(i, size)]))[0].ok, i
+        present = store.lookup(keys)
+        assert present[0] and present[1]  # the recent one, and the one being read
+        assert not any(present[2:16])  # the others of the first fill went, oldest first
+        assert all(present[16:30])
+        for i in range(30, 40):  # 10 more: key 0 is now the oldest, key 1 is still read
+            assert store.wait(store.dump([keys[i]], [blob(i, size)]))[0].ok, i
+        present = store.lookup(keys)
+        assert not present[0] and present[1]
+        assert all(present[25:40]) and not any(present[16:25])
+    finally:
+        assert arena.unpin([pin]) == [True]  # still the block it was: never reclaimed
+    out = bytearray(size)
+    assert store.wait(store.load(keys[1:2], [out]))[0].ok
+    assert bytes(out) == bytes(blob(1, size))
+    assert store.evicted_blocks == 24
+    store.close()
+
+
+def test_an_arena_of_other_blocks_in_use_is_refused_and_an_unused_one_replaced(shm_dir):
+    first = open_store(shm_dir, block=4096)
+    assert first.wait(first.dump([key(1)], [blob(1, 4096)]))[0].ok
+    second = SharedMemoryStore(DramStoreConfig(path=str(shm_dir), capacity_gb=0.0625))
+    with pytest.raises(ConfigError) as caught:
+        second.check_block_bytes(8192)  # another model's blocks, while the first engine runs
+    assert caught.value.key == "store.path" and "in use" in str(caught.value)
+    assert second.lookup([key(1)]) == [True]  # reading the first engine's arena is fine
+    # smaller blocks fit the slots: stored and loaded
+    assert second.wait(second.dump([key(2)], [blob(2, 1000)]))[0].ok
+    second.close()
+    first.close()
+    third = open_store(shm_dir, block=8192)  # nobody holds it now: replaced
+    assert third._arena.geometry.slot_bytes == 8192
+    assert third.lookup([key(1)]) == [False]
+    third.close()
+
+
+def test_a_link_where_the_arena_goes_is_refused(shm_dir, tmp_path):
+    shm_dir.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    os.symlink(target, shm_dir / "arena")
+    store = SharedMemoryStore(DramStoreConfig(path=str(shm_dir), capacity_gb=0.0625))
+    with pytest.raises(ConfigError) as caught:
+        store.check_block_bytes(4096)
+    assert caught.value.key == "store.path"
+    assert store.lookup([key(1)]) == [False]  # never read through the link
+    assert target.read_bytes() == b""
+    store.close()
