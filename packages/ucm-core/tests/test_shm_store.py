@@ -17,13 +17,13 @@ from ucm.core.config import DramStoreConfig, parse_store_config
 from ucm.core.settings import ConfigError
 from ucm.core.store import SharedMemoryStore, Status, create_store
 from ucm.core.store.dram.shared import mount_of
-from ucm.lab.testing.core import blob, key
+from ucm.lab.testing.core import blob, flip_shared_block_byte, key
 
 WRITER = """
 import sys
 import numpy as np
 from ucm.core.store import create_store
-from ucm.lab.testing.core import blob, key
+from ucm.lab.testing.core import blob, flip_shared_block_byte, key
 
 store = create_store({"kind": "dram", "path": sys.argv[1], "capacity_gb": 0.03125})
 results = store.wait(store.dump([key(i) for i in range(8)], [blob(i, 50_000) for i in range(8)]))
@@ -55,15 +55,7 @@ def test_blocks_written_by_another_process_are_found_by_a_store_opened_before(sh
 def test_a_corrupted_block_in_shared_memory_is_a_miss(shm_dir):
     store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125})
     assert store.wait(store.dump([key(1)], [blob(1, 40_000)]))[0].ok
-    # a bit flipped in the block's slot, through the arena file as any writer of it could
-    arena = store._arena
-    (slot,) = arena.ready_slots()
-    at = arena.geometry.meta_bytes + slot * arena.geometry.slot_bytes + 39_999
-    with open(shm_dir / "arena", "r+b") as file:
-        file.seek(at)
-        byte = file.read(1)[0]
-        file.seek(at)
-        file.write(bytes([byte ^ 0xFF]))
+    flip_shared_block_byte(shm_dir, key(1))
     out = np.zeros(40_000, np.uint8)
     assert store.wait(store.load([key(1)], [out]))[0].status is Status.CORRUPT
     assert store.lookup([key(1)]) == [False]  # removed: the next lookup is a miss

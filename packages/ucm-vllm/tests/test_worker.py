@@ -244,6 +244,7 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
 
     from ucm.core.config import DramStoreConfig
     from ucm.core.store import SharedMemoryStore
+    from ucm.lab.testing.core import flip_shared_block_byte
 
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm")
@@ -264,11 +265,8 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         written = [Item(0, k, chain[k], [1 + k]) for k in range(4)]
         writer.wait_for_save(StepPlan(dumps=[Transfer("cold", written)]))
         writer.shutdown()
-        third = writer._keys(written[2:3])[0].hex()
-        block = Path(path, "blocks", third[:2], third)
-        data = bytearray(block.read_bytes())
-        data[-1] ^= 0xFF  # a payload byte: the checksum no longer matches
-        block.write_bytes(bytes(data))
+        # a payload byte of the third block: its checksum no longer matches
+        flip_shared_block_byte(path, writer._keys(written[2:3])[0])
 
         reader, cache = worker_of(SharedMemoryStore(config), 1)
         assert reader.in_place
@@ -300,6 +298,7 @@ def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path)
 
     from ucm.core.config import DramStoreConfig
     from ucm.core.store import SharedMemoryStore
+    from ucm.lab.testing.core import flip_shared_block_byte
 
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm")
@@ -309,9 +308,9 @@ def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path)
 
         release = threading.Event()
 
-        def _load_one(self, key, out, layout):
+        def _load_one(self, *args):
             self.release.wait(30)
-            return super()._load_one(key, out, layout)
+            return super()._load_one(*args)
 
     layout = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP,))
     chain = block_keys(layout.chain_namespace(None), list(range(64)), 32)

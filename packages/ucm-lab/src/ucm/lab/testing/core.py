@@ -26,3 +26,29 @@ def mooncake_config(master, **overrides):
     }
     settings.update(overrides)
     return MooncakeStoreConfig(**settings)
+
+
+def flip_shared_block_byte(folder, key: bytes, offset: int = -1) -> None:
+    """Flip one byte of ``key``'s block in the host dram store of ``folder`` (``offset``
+    into its payload; -1 the last), writing the arena file as any other writer of it could."""
+    import os
+    import struct
+
+    from ucm.core.store.dram.arena import ARENA_FILE, Arena
+
+    arena = Arena.attach(str(folder), capacity_bytes=1 << 62, data=False)
+    assert arena is not None, f"no arena in {folder}"
+    try:
+        (pin,) = arena.pin([struct.unpack("<QQ", key)])
+        assert pin is not None, f"{key.hex()} is not stored in {folder}"
+        arena.unpin([pin])
+        at = arena.geometry.meta_bytes + pin.slot * arena.geometry.slot_bytes
+        at += offset % pin.length
+    finally:
+        arena.close()
+    fd = os.open(os.path.join(str(folder), ARENA_FILE), os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, at)[0]
+        os.pwrite(fd, bytes([byte ^ 0xFF]), at)
+    finally:
+        os.close(fd)
