@@ -1,7 +1,11 @@
+import threading
+import time
+
 import pytest
 import xxhash
 from ucm.core.config import DramStoreConfig, PosixStoreConfig
 from ucm.core.store import DramStore, PosixStore, Status, TieredStore
+from ucm.core.store.task import Task
 
 GIB = 1 << 30
 
@@ -100,3 +104,84 @@ def test_tiered_miss_and_remove(tiered):
     tiered.wait(tiered.dump([key(1)], [b"z" * 10]))
     assert tiered.remove([key(1), key(2)]) == 1
     assert tiered.lookup([key(1)]) == [False]
+
+
+class GatedStore(PosixStore):
+    """A posix store whose writes wait for ``gate`` (a slow disk or network), in the
+    background: ``dump`` returns at once, its task completes once the gate opens."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.gate = threading.Event()
+        self.dumps = 0
+
+    def dump(self, keys, buffers, layout=b""):
+        self.dumps += 1
+        task = Task(len(keys))
+
+        def run():
+            self.gate.wait(30)
+            inner = PosixStore.dump(self, keys, buffers, layout)
+            for i, result in enumerate(inner.wait(30)):
+                task.set_result(i, result)
+
+        threading.Thread(target=run, daemon=True).start()
+        return task
+
+
+@pytest.fixture
+def behind(tmp_path):
+    backing = GatedStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    front = DramStore(DramStoreConfig(capacity_gb=(1 << 20) / GIB, scope="process"))
+    t = TieredStore(front, backing, write_behind_bytes=64_000)
+    yield t
+    t.backing.gate.set()
+    t.close()
+
+
+def test_tiered_dumps_wait_for_the_local_tier_only_and_the_blocks_go_below_behind(behind):
+    keys = [key(i) for i in range(4)]
+    data = [bytes([i]) * 3000 for i in range(4)]
+    task = behind.dump(keys, data)
+    # done while the backing store cannot write: the engine waited for memory only
+    assert all(r.ok for r in behind.wait(task, 5))
+    assert behind.backing.lookup(keys) == [False] * 4
+    assert behind.lookup(keys) == [True] * 4  # served by the local tier meanwhile
+    data[0] = b"changed by the engine after the dump"  # the caller's buffers are free
+    behind.backing.gate.set()
+    assert behind.behind.drain(10)
+    assert behind.backing.lookup(keys) == [True] * 4
+    out = [bytearray(3000) for _ in keys]
+    assert all(r.ok for r in behind.backing.wait(behind.backing.load(keys, out)))
+    assert out == [bytes([i]) * 3000 for i in range(4)]  # the local tier's copies
+
+
+def test_tiered_writes_through_past_the_budget_and_where_the_local_tier_failed(behind):
+    first = [key(i) for i in range(20)]
+    assert all(r.ok for r in behind.wait(behind.dump(first, [b"a" * 3000] * 20), 5))
+    # 60 000 bytes wait to go below; 8 more blocks would pass the 64 000-byte budget
+    more = [key(100 + i) for i in range(8)]
+    task = behind.dump(more, [b"b" * 3000] * 8)
+    time.sleep(0.3)
+    assert not task.done()  # the engine now waits for the backing store (back-pressure)
+    behind.backing.gate.set()
+    assert all(r.ok for r in behind.wait(task, 10))
+    assert behind.backing.lookup(more) == [True] * 8  # written from the caller's buffers
+    assert behind.behind.drain(10)
+    assert behind.backing.lookup(first) == [True] * 20
+    # a block the local tier refuses (larger than its capacity) is written through too
+    big = key(999)
+    assert behind.wait(behind.dump([big], [b"c" * (2 << 20)]), 10)[0].ok
+    assert behind.front.lookup([big]) == [False] and behind.backing.lookup([big]) == [True]
+
+
+def test_tiered_close_writes_what_waits_behind(tmp_path):
+    backing = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    front = DramStore(DramStoreConfig(capacity_gb=(1 << 20) / GIB, scope="process"))
+    tiered = TieredStore(front, backing, write_behind_bytes=1 << 20)
+    keys = [key(i) for i in range(16)]
+    assert all(r.ok for r in tiered.wait(tiered.dump(keys, [b"d" * 4096] * 16), 5))
+    tiered.close()
+    again = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    assert again.lookup(keys) == [True] * 16
+    again.close()

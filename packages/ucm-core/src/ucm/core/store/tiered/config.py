@@ -8,7 +8,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import attrs
-from ucm.core.settings import ConfigError, from_dict, instance_of, one_of, optional, setting
+from ucm.core.settings import (
+    GIB,
+    ConfigError,
+    from_dict,
+    instance_of,
+    one_of,
+    optional,
+    setting,
+    size_gib,
+)
 from ucm.core.store.dram.config import DramStoreConfig
 from ucm.core.store.mooncake.config import MooncakeStoreConfig
 from ucm.core.store.posix.config import PosixStoreConfig
@@ -46,8 +55,9 @@ def _parse_backing(
 
 @attrs.frozen
 class TieredStoreConfig:
-    """A local tier over another store: writes go to both, reads are served by the local tier
-    where it holds the block, else by the one below and then promoted into the local tier."""
+    """A local tier over another store: writes go to both (to the one below from the local
+    tier's copy, behind the engine's back), reads are served by the local tier where it holds
+    the block, else by the one below and then promoted into the local tier."""
 
     kind: str = setting("Store kind.", default="tiered", validator=one_of("tiered"))
     dram: DramStoreConfig = setting(
@@ -71,6 +81,15 @@ class TieredStoreConfig:
         metadata={"parse": _parse_backing},
     )
 
+    write_behind_gb: float | None = setting(
+        "GiB of blocks the local tier holds that may wait to be written to the backing store "
+        "by a thread of the store's own, so that a dump costs the engine the local tier's "
+        "time only; past it, dumps write through and wait for the backing store. null: "
+        "always write through.",
+        default=1.0,
+        validator=optional(size_gib),
+    )
+
     def __attrs_post_init__(self) -> None:
         if self.local is not None and self.dram != DramStoreConfig():
             raise ConfigError("local", "a tiered store has one local tier: give local or dram")
@@ -89,7 +108,8 @@ class TieredStoreConfig:
     def open(self) -> Store:
         from ucm.core.store.tiered.store import TieredStore
 
-        return TieredStore(self.front.open(), self.backing.open())
+        behind = None if self.write_behind_gb is None else int(self.write_behind_gb * GIB)
+        return TieredStore(self.front.open(), self.backing.open(), write_behind_bytes=behind)
 
     def split(self, wa_fraction: float) -> tuple[TieredStoreConfig, TieredStoreConfig]:
         """Hybrid models: both tiers split."""

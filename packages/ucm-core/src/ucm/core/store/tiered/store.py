@@ -1,10 +1,13 @@
 """The tiered store: a local tier (DRAM, or a posix store on a local disk) over a store
 further away (a shared disk, a Mooncake cluster).
 
-Dumps go to both tiers (write-through: the backing store decides the result, since it is
-what other processes and hosts read).  Loads are served by the local tier where possible;
-the rest come from the backing store and are promoted into the local tier once verified
-there.
+Dumps go to both tiers.  The local tier takes them from the caller's buffers; the backing
+store gets its copy from the local tier afterwards, on a thread of its own
+(:mod:`.behind`), so that the engine waits for a memory copy and not for a disk or a
+network; past the write-behind budget, or where the local tier failed a block, the backing
+store is written from the caller's buffers and the dump waits for it (write-through).
+Loads are served by the local tier where possible; the rest come from the backing store and
+are promoted into the local tier once verified there.
 """
 
 from __future__ import annotations
@@ -17,19 +20,59 @@ from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.process import DramStore
 from ucm.core.store.dram.shared import SharedMemoryStore
 from ucm.core.store.task import CANCELLED, Task
+from ucm.core.store.tiered.behind import WriteBehind
 
 
 class TieredStore(Store):
-    def __init__(self, front: Store, backing: Store) -> None:
+    def __init__(
+        self, front: Store, backing: Store, *, write_behind_bytes: int | None = None
+    ) -> None:
         self.front = front
         self.backing = backing
+        self.behind = (
+            None if write_behind_bytes is None else WriteBehind(front, backing, write_behind_bytes)
+        )
 
     def dump(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
-        check_batch(keys, buffers, writable=False)
-        local = self.front.dump(keys, buffers, layout)
-        below = self.backing.dump(keys, buffers, layout)
-        # The backing store's results; done once neither tier reads the buffers any more.
-        return _after(below, local)
+        payloads = check_batch(keys, buffers, writable=False)
+        local = self.front.dump(keys, payloads, layout)
+        if self.behind is None:
+            below = self.backing.dump(keys, payloads, layout)
+            # The backing store's results; done once neither tier reads the buffers any more.
+            return _after(below, local)
+        whole = Task(len(keys))
+        whole.add_part(local)
+        behind = self.behind
+
+        def after_local(done: Task) -> None:
+            results = done.wait(0)
+            held = [i for i, r in enumerate(results) if r.ok]
+            queued = behind.offer(
+                [keys[i] for i in held], [payloads[i].nbytes for i in held], layout
+            )
+            through = [i for i in range(len(keys)) if not queued or i not in set(held)]
+            for i in set(range(len(keys))) - set(through):
+                whole.set_result(i, results[i])
+            if not through:
+                return
+            if whole.cancelled:  # the caller may have taken its buffers back already
+                for i in through:
+                    whole.set_result(i, CANCELLED)
+                return
+            # write through: the backing store's results, from the caller's buffers
+            below = self.backing.dump(
+                [keys[i] for i in through], [payloads[i] for i in through], layout
+            )
+            whole.add_part(below)
+
+            def finish(task: Task) -> None:
+                for i, result in zip(through, task.wait(0)):
+                    whole.set_result(i, result)
+
+            below.add_done_callback(finish)
+
+        local.add_done_callback(after_local)
+        return whole
 
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         views = check_batch(keys, buffers, writable=True)
@@ -124,6 +167,8 @@ class TieredStore(Store):
         return self.backing.evicted_blocks  # what the local tier drops, the backing holds
 
     def close(self) -> None:
+        if self.behind is not None:
+            self.behind.close()
         self.backing.close()
         self.front.close()
 
