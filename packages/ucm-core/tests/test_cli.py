@@ -323,6 +323,7 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
             for ratio in ("dump_ratio", "load_ratio"):
                 assert math.isfinite(case[ratio]) and case[ratio] > 0, case
     assert summary["lookup_prefix_512_ms"] > 0
+    assert set(summary["lookup_prefix_512_ms_by_store"]) == {"posix", "dram shared"}
     # the human-readable table comes first
     assert any("posix O_DIRECT" in line for line in lines[:-1])
     # the benchmark removes what it made in the directory it was given, and nothing else

@@ -149,9 +149,8 @@ def test_a_stopped_lock_holder_stalls_nobody_past_the_bound(shm_dir):
         assert holder.stdout.readline().strip() == "holding"
         arena = store._arena
         started = time.monotonic()
-        with pytest.raises(arena_module.ArenaBusy):
-            with arena.locked(wait_s=0.5):
-                pass
+        with pytest.raises(arena_module.ArenaBusy), arena.locked(wait_s=0.5):
+            pass
         assert time.monotonic() - started < 5  # bounded (0.5 s asked)
         # the store's calls answer within LOCK_WAIT_S (errors, not hangs), and lookups,
         # which take no lock, still hit
@@ -170,9 +169,7 @@ def test_a_stopped_lock_holder_stalls_nobody_past_the_bound(shm_dir):
 
 
 @pytest.mark.parametrize("capacity", [None, 3 << 20], ids=["roomy", "evicting"])
-def test_processes_sharing_the_arena_never_see_wrong_bytes_nor_pass_its_capacity(
-    shm_dir, capacity
-):
+def test_processes_sharing_the_arena_never_see_wrong_bytes_nor_pass_its_capacity(shm_dir, capacity):
     procs = []
     try:
         for i in range(4):

@@ -298,7 +298,6 @@ def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path)
 
     from ucm.core.config import DramStoreConfig
     from ucm.core.store import SharedMemoryStore
-    from ucm.lab.testing.core import flip_shared_block_byte
 
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm")

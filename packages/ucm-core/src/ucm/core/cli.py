@@ -309,8 +309,7 @@ def _gc_arena(root: str, target: int, dry_run: bool, label: str) -> None:
         arena.close()
     what = f"would remove {gone} blocks" if dry_run else f"{gone} blocks removed"
     print(
-        f"{label}: {what}, {_human(before['bytes'])} -> {_human(after)} (capacity "
-        f"{_human(target)})"
+        f"{label}: {what}, {_human(before['bytes'])} -> {_human(after)} (capacity {_human(target)})"
     )
 
 
@@ -448,7 +447,9 @@ def build_parser(plugins: Sequence[EntryPoint] | None = None) -> argparse.Argume
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    store = sub.add_parser("store", help="inspect and maintain a posix store's folder or a dram store's shared memory")
+    store = sub.add_parser(
+        "store", help="inspect and maintain a posix store's folder or a dram store's shared memory"
+    )
     store_sub = store.add_subparsers(dest="store_command", required=True)
     stats = store_sub.add_parser("stats", help="blocks, bytes and capacity use")
     stats.add_argument("path")

@@ -55,6 +55,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
@@ -154,9 +155,9 @@ class Geometry:
         return (MAGIC, VERSION, self.slot_bytes, self.slots, self.buckets)
 
 
-@attrs.frozen
-class Pinned:
-    """A slot a load pinned: where its block is and what its columns said of it."""
+class Pinned(NamedTuple):
+    """A slot a load pinned: where its block is and what its columns said of it (a tuple:
+    a batch makes one per block, under the lock)."""
 
     slot: int
     gen: int
@@ -260,6 +261,8 @@ class Arena:
     def map_data(self) -> None:
         """Map the slots and enter their pages in this process's tables (a process that only
         looks up, such as vLLM's scheduler, never does)."""
+        if self._dmap is not None:
+            return
         with self._data_lock:
             if self._dmap is not None:
                 return
@@ -302,9 +305,9 @@ class Arena:
         self._ik0, self._ik1, self._islot = mv["ik0"], mv["ik1"], mv["islot"]
         self._mask = self.geometry.buckets - 1
 
-    def _cast(self, view: memoryview, code: str) -> memoryview:
+    def _cast(self, view: memoryview, code: str) -> Any:
         self._views.append(view)
-        cast = view.cast(code)
+        cast = view.cast(code)  # type: ignore[call-overload]
         self._views.append(cast)
         return cast
 
@@ -437,7 +440,7 @@ class Arena:
                 return -1
         top -= 1
         self._sb[SB_FREE_TOP] = top
-        s = self._free[top]
+        s: int = self._free[top]
         if s >= self.geometry.slots:
             raise RuntimeError("corrupt free stack")  # never index with an unchecked number
         return s
@@ -569,9 +572,7 @@ class Arena:
                     continue
                 s, gen, length, layout, seal = item
                 mine = (
-                    self._state[s] == WRITING
-                    and self._gen[s] == gen
-                    and self._owner[s] == self.pid
+                    self._state[s] == WRITING and self._gen[s] == gen and self._owner[s] == self.pid
                 )
                 if not mine:
                     out.append(False)

@@ -10,9 +10,9 @@ from ucm.core.settings import (
     GIB,
     ConfigError,
     boolean,
+    int_in_range,
     non_empty_str,
     one_of,
-    int_in_range,
     setting,
     size_gib,
 )

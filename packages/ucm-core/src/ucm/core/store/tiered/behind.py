@@ -99,7 +99,7 @@ class WriteBehind:
             if self._closing:
                 return None
             layout = self._queue[0][2]
-            batch = []
+            batch: list[tuple[bytes, int, bytes]] = []
             while self._queue and len(batch) < BATCH_KEYS and self._queue[0][2] == layout:
                 batch.append(self._queue.popleft())
             self._busy = True
