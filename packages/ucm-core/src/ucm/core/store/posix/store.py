@@ -306,7 +306,10 @@ class PosixStore(Store):
             # Another pass runs (the background one, or another process's): it gives back
             # room as it goes, so this dump goes on as soon as there is enough.
             if time.monotonic() > deadline:
-                return f"store is full and another process's eviction took over {EVICTION_WAIT_S} s"
+                return (
+                    "store is full and the eviction under way (this process's background "
+                    f"evictor's or another process's) freed too little in {EVICTION_WAIT_S} s"
+                )
             time.sleep(0.002)
         return "store is full: every block is being read or written"
 
