@@ -318,18 +318,23 @@ class SharedMemoryStore(Store):
 
     # -- the rest --
 
-    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+    def _found(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Which keys the arena holds (a hint: a load checks again), all probed at once."""
         check_keys(keys)
         arena = self._attached()
         if arena is None or not keys:
-            return [False] * len(keys)
-        words = np.array(self._words(keys), dtype=np.uint64).reshape(-1, 2)
-        found: list[bool] = arena.found(words).tolist()
+            return np.zeros(len(keys), bool)
+        signer = self._signer
+        names = b"".join(keys) if signer is None else b"".join(signer.name(k) for k in keys)
+        return arena.found(np.frombuffer(names, "<u8").reshape(-1, 2))
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        found: list[bool] = self._found(keys).tolist()
         return found
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        found = self.lookup(keys)
-        return found.index(False) if False in found else len(found)
+        found = self._found(keys)
+        return int(found.argmin()) if not found.all() else len(keys)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)
