@@ -26,7 +26,7 @@ from ucm.core.keys import Namespace, block_keys
 from ucm.core.settings import GIB
 from ucm.core.store import PosixStore, Status
 from ucm.core.store.posix import host_tag, scan_store
-from ucm.lab.testing.procs import key_of, payload_of, size_of, temp_files
+from ucm.lab.testing.procs import key_of, payload_of, run_stress, size_of, temp_files
 
 TIMEOUT = 120
 
@@ -546,29 +546,13 @@ def test_concurrent_processes_dump_and_load_overlapping_keys(medium, capacity):
         {"fsync": "data", "o_direct": False, "io_threads": 2},
         {"fsync": "never", "o_direct": False, "io_threads": 1},
     ]
-    procs = []
-    try:
-        for i in range(STRESS_PROCESSES):
-            cfg = dict(configs[i % len(configs)], root=str(root), seed=1000 + i, **medium_cfg)
-            cfg.update(n_keys=STRESS_KEYS, max_size=STRESS_MAX_SIZE, seconds=STRESS_SECONDS)
-            cfg["capacity_gb"] = capacity / GIB if capacity else None
-            procs.append(child("stress", cfg, stdin=subprocess.PIPE))
-        for proc in procs:
-            line = proc.stdout.readline()
-            assert line.strip() == "ready", proc.stderr.read()
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        reports = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT)
-            assert proc.returncode == 0, f"child exited {proc.returncode}:\n{out}\n{err}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    cfgs = []
+    for i in range(STRESS_PROCESSES):
+        cfg = dict(configs[i % len(configs)], root=str(root), seed=1000 + i, **medium_cfg)
+        cfg.update(n_keys=STRESS_KEYS, max_size=STRESS_MAX_SIZE, seconds=STRESS_SECONDS)
+        cfg["capacity_gb"] = capacity / GIB if capacity else None
+        cfgs.append(cfg)
+    reports = run_stress(cfgs, TIMEOUT)
 
     for report in reports:
         assert report["n_bad"] == 0, report["bad"]

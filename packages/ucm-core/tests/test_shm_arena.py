@@ -21,7 +21,7 @@ from ucm.core.settings import GIB, ConfigError
 from ucm.core.store import SharedMemoryStore, Status
 from ucm.core.store.dram import arena as arena_module
 from ucm.lab.testing.core import blob, key
-from ucm.lab.testing.procs import key_of, payload_of, size_of
+from ucm.lab.testing.procs import key_of, payload_of, run_stress, size_of
 
 TIMEOUT = 120
 MAX_SIZE = 48 * 1024
@@ -170,28 +170,12 @@ def test_a_stopped_lock_holder_stalls_nobody_past_the_bound(shm_dir):
 
 @pytest.mark.parametrize("capacity", [None, 3 << 20], ids=["roomy", "evicting"])
 def test_processes_sharing_the_arena_never_see_wrong_bytes_nor_pass_its_capacity(shm_dir, capacity):
-    procs = []
-    try:
-        for i in range(4):
-            cfg = {"root": str(shm_dir), "dram": True, "seed": 1000 + i, "n_keys": 192,
-                   "max_size": 64 * 1024, "seconds": 3.0,
-                   "capacity_gb": capacity / GIB if capacity else None}  # fmt: skip
-            procs.append(child("stress", cfg, stdin=subprocess.PIPE))
-        for proc in procs:
-            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        reports = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT)
-            assert proc.returncode == 0, f"child exited {proc.returncode}:\n{out}\n{err}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    reports = run_stress(
+        [{"root": str(shm_dir), "dram": True, "seed": 1000 + i, "n_keys": 192,
+          "max_size": 64 * 1024, "seconds": 3.0,
+          "capacity_gb": capacity / GIB if capacity else None} for i in range(4)],
+        TIMEOUT,
+    )  # fmt: skip
     total: dict[str, int] = {}
     for report in reports:
         assert report["n_bad"] == 0, report["bad"]

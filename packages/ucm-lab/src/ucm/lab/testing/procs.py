@@ -197,5 +197,42 @@ CHILDREN = {
     "sleep": child_sleep,
 }
 
+
+def run_stress(configs: list[dict], timeout: float = 120) -> list[dict]:
+    """Start a ``stress`` child per config, let them go at once, and return their reports
+    (the test fails on a child that does not start or exits badly)."""
+    import subprocess
+
+    procs = []
+    try:
+        for cfg in configs:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ucm.lab.testing.procs", "stress", json.dumps(cfg)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+            )
+        for proc in procs:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line.strip() == "ready", proc.stderr.read()  # type: ignore[union-attr]
+        for proc in procs:
+            proc.stdin.write("go\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        reports = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"child exited {proc.returncode}:\n{out}\n{err}"
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        return reports
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 if __name__ == "__main__":
     sys.exit(CHILDREN[sys.argv[1]](json.loads(sys.argv[2])))

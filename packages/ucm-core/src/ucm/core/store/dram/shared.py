@@ -158,32 +158,32 @@ class SharedMemoryStore(Store):
             reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
         except (ConfigError, ArenaBusy) as exc:
             return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
-        task = Task(len(keys))
-        todo: list[int] = []
-        for i, got in enumerate(reserved):
-            if got is True:
-                task.set_result(i, OK)  # stored already
-            elif got is False:
-                task.set_result(i, _FULL)
-            else:
-                todo.append(i)
+        settled = [OK if got is True else _FULL if got is False else None for got in reserved]
         layout_word = _layout_word(layout)
-        for group in self._groups(todo):
-            self._pool.submit(
-                self._dump_group, task, arena, group, words, payloads, reserved, layout_word
-            )
-        return task
+        return self._spread(
+            settled, self._dump_group, arena, words, payloads, reserved, layout_word
+        )
 
-    def _groups(self, indices: list[int]) -> list[list[int]]:
-        """The batch's keys dealt out to the copy threads (whole blocks each)."""
-        n = min(self.config.threads, len(indices))
-        return [indices[k::n] for k in range(n)]
+    def _spread(self, settled: list[KeyResult | None], run: Any, *args: Any) -> Task:
+        """A task whose keys with a result in ``settled`` are done; the others are dealt out
+        to the copy threads (whole blocks each), each group run as ``run(task, group, *args)``."""
+        task = Task(len(settled))
+        todo = []
+        for i, result in enumerate(settled):
+            if result is None:
+                todo.append(i)
+            else:
+                task.set_result(i, result)
+        n = min(self.config.threads, len(todo))
+        for k in range(n):
+            self._pool.submit(run, task, todo[k::n], *args)
+        return task
 
     def _dump_group(
         self,
         task: Task,
-        arena: Arena,
         group: list[int],
+        arena: Arena,
         words: list[tuple[int, int]],
         payloads: list[Payload],
         reserved: list[Any],
@@ -239,25 +239,15 @@ class SharedMemoryStore(Store):
             pinned = arena.pin(words)
         except ArenaBusy as exc:
             return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
-        task = Task(len(keys))
-        todo = []
-        for i, pin in enumerate(pinned):
-            if pin is None:
-                task.set_result(i, MISS)
-            else:
-                todo.append(i)
+        settled = [MISS if pin is None else None for pin in pinned]
         layout_word = _layout_word(layout)
-        for group in self._groups(todo):
-            self._pool.submit(
-                self._load_group, task, arena, group, words, payloads, pinned, layout_word
-            )
-        return task
+        return self._spread(settled, self._load_group, arena, words, payloads, pinned, layout_word)
 
     def _load_group(
         self,
         task: Task,
-        arena: Arena,
         group: list[int],
+        arena: Arena,
         words: list[tuple[int, int]],
         payloads: list[Payload],
         pinned: list[Pinned | None],
