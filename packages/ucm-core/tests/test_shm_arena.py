@@ -263,3 +263,18 @@ def test_a_link_where_the_arena_goes_is_refused(shm_dir, tmp_path):
     assert store.lookup([key(1)]) == [False]  # never read through the link
     assert target.read_bytes() == b""
     store.close()
+
+
+def test_a_block_that_fails_to_copy_gives_its_slot_back_at_once(shm_dir):
+    from ucm.core.store.payload import Payload
+
+    store = open_store(shm_dir, capacity_gb=4 * 4096 / GIB, block=4096)
+    arena = store._arena
+    # a payload whose views turn out smaller than promised: an error once it is copied
+    broken = Payload.deferred(4096, [[memoryview(bytearray(100))]], 0)
+    results = store.wait(store.dump([key(1), key(2)], [broken, blob(2, 4096)]), 10)
+    assert results[0].status is Status.ERROR and results[1].ok
+    stats = arena.stats()
+    assert stats["writing"] == 0 and stats["free_slots"] == arena.geometry.slots - 1
+    assert store.lookup([key(1), key(2)]) == [False, True]
+    store.close()

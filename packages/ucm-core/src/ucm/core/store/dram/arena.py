@@ -555,22 +555,20 @@ class Arena:
 
     def publish(
         self,
-        written: Sequence[tuple[int, int, int, int, bytes] | None],
+        written: Sequence[tuple[int, int, int, int, bytes]],
         keys: Sequence[tuple[int, int]],
         wait_s: float = LOCK_WAIT_S,
     ) -> list[bool]:
-        """Make the reserved slots readable: each ``(slot, gen, length, layout, seal)``, or
-        None to give a reserved slot back unwritten.  False where the slot is no longer
-        this writer's (its lease ran out) or another process published the key first."""
+        """Make the reserved slots readable: each ``(slot, gen, length, layout, seal)``;
+        a length of -1 gives the slot back unwritten.  For each, whether the key is now
+        stored: False where the slot was given back or is no longer this writer's (its
+        lease ran out); True, the slot given back, where another process published the key
+        first."""
         out = []
         sb = self._sb
         with self.locked(wait_s):
             self._seq_begin()
-            for item, (k0, k1) in zip(written, keys):
-                if item is None:
-                    out.append(False)
-                    continue
-                s, gen, length, layout, seal = item
+            for (s, gen, length, layout, seal), (k0, k1) in zip(written, keys):
                 mine = (
                     self._state[s] == WRITING and self._gen[s] == gen and self._owner[s] == self.pid
                 )

@@ -189,7 +189,8 @@ class SharedMemoryStore(Store):
         reserved: list[Any],
         layout_word: int,
     ) -> None:
-        written: list[tuple[int, int, int, int, bytes] | None] = [None] * len(group)
+        # each reserved slot is published, or given back (length -1) if it was not filled
+        written = [(*reserved[i], -1, 0, b"") for i in group]
         ran = False
 
         def work() -> list[KeyResult]:
