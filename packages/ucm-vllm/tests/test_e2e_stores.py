@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from ucm.lab.testing.core import flip_shared_bytes
 from ucm.lab.testing.vllm.engine import (
     assert_close_outputs,
     assert_same_outputs,
@@ -138,11 +139,7 @@ def test_loads_straight_into_the_cache_match_and_a_corrupt_block_is_recomputed(
     assert_same_outputs(reference, warm)
     assert warm["metrics"]["vllm:ucm_loaded_blocks"] >= 30
     assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
-    blocks = sorted(p for p in Path(shm_dir, "blocks").rglob("*") if p.is_file())
-    for block in blocks[::7]:
-        data = bytearray(block.read_bytes())
-        data[-100] ^= 0xFF  # one flipped payload byte
-        block.write_bytes(bytes(data))
+    assert flip_shared_bytes(shm_dir, every=7) >= 1  # one payload byte of every 7th block
     damaged = run_engine(spec)
     assert_same_outputs(reference, damaged)
     assert damaged["metrics"]["vllm:ucm_load_errors"] >= 1

@@ -63,6 +63,18 @@ class WriteBehind:
             self._cond.notify()
         return True
 
+    def forget(self, keys: Sequence[bytes], timeout: float = WRITE_TIMEOUT_S) -> None:
+        """Drop these keys from the queue, and wait for the batch being written (it may
+        hold them), so that a removal below is not undone by a write behind it."""
+        drop = {bytes(k) for k in keys}
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            kept = deque(item for item in self._queue if item[0] not in drop)
+            self._queued_bytes -= sum(n for k, n, _ in self._queue if k in drop)
+            self._queue = kept
+            while self._busy and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+
     def pending(self) -> int:
         """Blocks queued or being written."""
         with self._cond:

@@ -19,7 +19,7 @@ from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.process import DramStore
 from ucm.core.store.dram.shared import SharedMemoryStore
-from ucm.core.store.task import CANCELLED, Task
+from ucm.core.store.task import CANCELLED, KeyResult, Status, Task
 from ucm.core.store.tiered.behind import WriteBehind
 
 
@@ -77,11 +77,13 @@ class TieredStore(Store):
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         views = check_batch(keys, buffers, writable=True)
         whole = Task(len(keys))
+        front_results: list[KeyResult] = []
         first = self.front.load(keys, views, layout)
         whole.add_part(first)
 
         def after_front(done: Task) -> None:
             results = done.wait(0)
+            front_results[:] = results
             rest = [i for i, r in enumerate(results) if not r.ok]
             for i, result in enumerate(results):
                 if result.ok:
@@ -106,6 +108,10 @@ class TieredStore(Store):
 
             def finish(_: Task) -> None:
                 for i, result in zip(rest, results):
+                    # a miss below says less than why the local tier refused (a block
+                    # written behind may not be below yet)
+                    if result.status is Status.MISS and front_results[i].status is Status.ERROR:
+                        result = front_results[i]
                     whole.set_result(i, result)
 
             promote.add_done_callback(finish)
@@ -137,6 +143,8 @@ class TieredStore(Store):
         return n
 
     def remove(self, keys: Sequence[bytes]) -> int:
+        if self.behind is not None:  # not written below after this
+            self.behind.forget(keys)
         in_front = self.front.lookup(keys)
         self.front.remove(keys)
         below = self.backing.lookup(keys)
