@@ -12,7 +12,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,19 +25,20 @@ from ucm.core.keys import Namespace, block_keys
 from ucm.core.settings import GIB
 from ucm.core.store import PosixStore, Status
 from ucm.core.store.posix import host_tag, scan_store
-from ucm.lab.testing.procs import key_of, payload_of, run_stress, size_of, temp_files
+from ucm.lab.testing.procs import (
+    key_of,
+    kill_writers_at_random,
+    payload_of,
+    run_stress,
+    size_of,
+    start_child,
+    temp_files,
+)
 
 TIMEOUT = 120
 
 
-def child(mode: str, cfg: dict, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ucm.lab.testing.procs", mode, json.dumps(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
+child = start_child
 
 
 def run_child(mode: str, cfg: dict) -> dict:
@@ -156,25 +156,13 @@ def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
     root, medium_cfg = medium
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
+    configs = []
     for i in range(CRASH_KILLS):
         cfg = dict(CRASH_CONFIGS[i % len(CRASH_CONFIGS)])
         cfg.update(root=str(root), seed=rng.getrandbits(32), n_keys=CRASH_KEYS, **medium_cfg)
         cfg.update(max_size=CRASH_MAX_SIZE)
-        proc = child("crash", cfg)
-        try:
-            line = proc.stdout.readline()
-            if line.strip() == "running":
-                time.sleep(rng.uniform(0, 0.05))
-                proc.kill()
-            out, err = proc.communicate(timeout=TIMEOUT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert line.strip() == "running", f"child {i} (seed {seed}) did not start:\n{err}"
-        assert proc.returncode == -signal.SIGKILL, (
-            f"child {i} (seed {seed}, {cfg}) ended on its own ({proc.returncode}):\n{out}{err}"
-        )
+        configs.append(cfg)
+    last_pid = kill_writers_at_random(configs, seed, TIMEOUT)
 
     blocks_dir = root / "blocks"
     names = {k.hex(): k for k in (key_of(j) for j in range(CRASH_KEYS))}
@@ -188,7 +176,7 @@ def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
     assert present, "the children stored nothing"
 
     # what a writer killed mid-block leaves (kills land there only now and then, so make sure)
-    leftover = block_path(root, key_of(0)).parent / temp_name(key_of(0).hex(), host_tag(), proc.pid)
+    leftover = block_path(root, key_of(0)).parent / temp_name(key_of(0).hex(), host_tag(), last_pid)
     leftover.parent.mkdir(exist_ok=True)
     leftover.write_bytes(b"half a block")
     # a new store's initial scan removes the temporary files of the dead writers

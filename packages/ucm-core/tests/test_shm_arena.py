@@ -6,7 +6,6 @@ never takes a block being read.  Children run ``ucm.lab.testing.procs``."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -21,20 +20,16 @@ from ucm.core.settings import GIB, ConfigError
 from ucm.core.store import SharedMemoryStore, Status
 from ucm.core.store.dram import arena as arena_module
 from ucm.lab.testing.core import blob, key
-from ucm.lab.testing.procs import key_of, payload_of, run_stress, size_of
+from ucm.lab.testing.procs import (
+    key_of,
+    kill_writers_at_random,
+    payload_of,
+    run_stress,
+    size_of,
+)
 
 TIMEOUT = 120
 MAX_SIZE = 48 * 1024
-
-
-def child(mode: str, cfg: dict, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ucm.lab.testing.procs", mode, json.dumps(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
 
 
 def ucm(*args: str) -> subprocess.CompletedProcess:
@@ -54,22 +49,12 @@ def test_a_writer_killed_at_random_moments_leaves_only_whole_blocks(shm_dir):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     n_keys = 64
-    for i in range(12):
-        cfg = {"root": str(shm_dir), "dram": True, "seed": rng.getrandbits(32),
-               "n_keys": n_keys, "max_size": MAX_SIZE}  # fmt: skip
-        proc = child("crash", cfg)
-        try:
-            line = proc.stdout.readline()
-            if line.strip() == "running":
-                time.sleep(rng.uniform(0, 0.05))
-                proc.kill()
-            out, err = proc.communicate(timeout=TIMEOUT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert line.strip() == "running", f"child {i} (seed {seed}) did not start:\n{err}"
-        assert proc.returncode == -signal.SIGKILL, f"child {i} (seed {seed}):\n{out}{err}"
+    kill_writers_at_random(
+        [{"root": str(shm_dir), "dram": True, "seed": rng.getrandbits(32), "n_keys": n_keys,
+          "max_size": MAX_SIZE} for _ in range(12)],
+        seed,
+        TIMEOUT,
+    )  # fmt: skip
 
     store = open_store(shm_dir)
     try:
@@ -90,32 +75,38 @@ def test_a_writer_killed_at_random_moments_leaves_only_whole_blocks(shm_dir):
     assert done.returncode == 0 and "OK: " in done.stdout, done.stdout + done.stderr
 
 
-KILLED_HOLDER = """
-import os, sys, time
-from ucm.core.config import DramStoreConfig
-from ucm.core.store import SharedMemoryStore
-store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb=0.0625))
-store.check_block_bytes(4096)
-arena = store._arena
-with arena.locked():
-    # half a change: a slot taken off the free stack and not yet anything else
-    arena._sb[arena_module_SB_FREE_TOP] -= 1
-    print("holding", flush=True)
-    time.sleep(600)
-""".replace("arena_module_SB_FREE_TOP", str(arena_module.SB_FREE_TOP))
+def lock_holder(folder, then: str) -> subprocess.Popen:
+    """A process of the store at ``folder`` that takes the arena's lock, says "holding",
+    and then runs ``then`` (Python, with ``arena`` and ``os`` at hand) still holding it."""
+    script = (
+        "import os, sys, time\n"
+        "from ucm.core.config import DramStoreConfig\n"
+        "from ucm.core.store import SharedMemoryStore\n"
+        "store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb=0.0625))\n"
+        "store.check_block_bytes(4096)\n"
+        "arena = store._arena\n"
+        "with arena.locked():\n"
+        f"    {then}\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script, str(folder)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline().strip() == "holding"
+    return holder
+
+
+# half a change: a slot taken off the free stack and nothing else yet; then killed
+HALF_A_CHANGE = (
+    f"arena._sb[{arena_module.SB_FREE_TOP}] -= 1; print('holding', flush=True); time.sleep(600)"
+)
 
 
 def test_a_process_killed_holding_the_lock_leaves_books_the_next_one_mends(shm_dir):
     store = open_store(shm_dir, block=4096)
     keys = [key(i) for i in range(20)]
     assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, 4096) for i in range(20)])))
-    holder = subprocess.Popen([sys.executable, "-c", KILLED_HOLDER, str(shm_dir)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "holding"
-    finally:
-        holder.kill()
-        holder.wait()
+    holder = lock_holder(shm_dir, HALF_A_CHANGE)
+    holder.kill()
+    holder.wait()
     arena = store._arena
     out = [np.zeros(4096, np.uint8) for _ in keys]
     assert all(r.ok for r in store.wait(store.load(keys, out), 10))  # the lock is free
@@ -127,26 +118,13 @@ def test_a_process_killed_holding_the_lock_leaves_books_the_next_one_mends(shm_d
     store.close()
 
 
-STOPPED_HOLDER = """
-import os, sys
-from ucm.core.config import DramStoreConfig
-from ucm.core.store import SharedMemoryStore
-store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb=0.0625))
-store.check_block_bytes(4096)
-with store._arena.locked():
-    print("holding", flush=True)
-    os.kill(os.getpid(), 19)  # SIGSTOP: stopped, not dead, with the lock
-"""
-
-
 def test_a_stopped_lock_holder_stalls_nobody_past_the_bound(shm_dir):
     store = open_store(shm_dir, block=4096)
     keys = [key(i) for i in range(4)]
     assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, 4096) for i in range(4)])))
-    holder = subprocess.Popen([sys.executable, "-c", STOPPED_HOLDER, str(shm_dir)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    # SIGSTOP: stopped, not dead, with the lock
+    holder = lock_holder(shm_dir, "print('holding', flush=True); os.kill(os.getpid(), 19)")
     try:
-        assert holder.stdout.readline().strip() == "holding"
         arena = store._arena
         started = time.monotonic()
         with pytest.raises(arena_module.ArenaBusy), arena.locked(wait_s=0.5):

@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 from collections import Counter
+from typing import Any
 
 import xxhash
 
@@ -198,23 +201,47 @@ CHILDREN = {
 }
 
 
+def start_child(mode: str, cfg: dict, **kwargs: Any) -> subprocess.Popen[str]:
+    """``python -m ucm.lab.testing.procs MODE CONFIG``, its pipes text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ucm.lab.testing.procs", mode, json.dumps(cfg)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )  # fmt: skip
+
+
+def kill_writers_at_random(configs: list[dict], seed: int, timeout: float = 120) -> int:
+    """Start a ``crash`` child per config and SIGKILL each within 50 ms of its start (the
+    delays drawn from ``seed``); the test fails on a child that did not start or ended by
+    itself.  Returns the last child's pid."""
+    rng = random.Random(seed)
+    pid = 0
+    for i, cfg in enumerate(configs):
+        proc = start_child("crash", cfg)
+        pid = proc.pid
+        try:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if line.strip() == "running":
+                time.sleep(rng.uniform(0, 0.05))
+                proc.kill()
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert line.strip() == "running", f"child {i} (seed {seed}) did not start:\n{err}"
+        assert proc.returncode == -signal.SIGKILL, (
+            f"child {i} (seed {seed}, {cfg}) ended on its own ({proc.returncode}):\n{out}{err}"
+        )
+    return pid
+
+
 def run_stress(configs: list[dict], timeout: float = 120) -> list[dict]:
     """Start a ``stress`` child per config, let them go at once, and return their reports
     (the test fails on a child that does not start or exits badly)."""
-    import subprocess
-
     procs = []
     try:
         for cfg in configs:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "ucm.lab.testing.procs", "stress", json.dumps(cfg)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )  # fmt: skip
-            )
+            procs.append(start_child("stress", cfg, stdin=subprocess.PIPE))
         for proc in procs:
             line = proc.stdout.readline()  # type: ignore[union-attr]
             assert line.strip() == "ready", proc.stderr.read()  # type: ignore[union-attr]

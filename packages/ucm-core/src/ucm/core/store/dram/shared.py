@@ -24,7 +24,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -140,11 +140,14 @@ class SharedMemoryStore(Store):
     def check_block_bytes(self, nbytes: int) -> None:
         self._arena_for(nbytes)
 
-    def _words(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+    def _names(self, keys: Sequence[bytes]) -> bytes:
+        """The keys as the arena's index holds them, end to end: keyed by the secret in a
+        signed store, so that a prompt's block cannot be found by its key."""
         signer = self._signer
-        if signer is None:
-            return [_KEY.unpack(bytes(k)) for k in keys]
-        return [_KEY.unpack(signer.name(bytes(k))) for k in keys]
+        return b"".join(keys if signer is None else [signer.name(bytes(k)) for k in keys])
+
+    def _words(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        return list(_KEY.iter_unpack(self._names(keys)))
 
     # -- dump --
 
@@ -191,11 +194,9 @@ class SharedMemoryStore(Store):
     ) -> None:
         # each reserved slot is published, or given back (length -1) if it was not filled
         written = [(*reserved[i], -1, 0, b"") for i in group]
-        ran = False
+        names = [words[i] for i in group]
 
         def work() -> list[KeyResult]:
-            nonlocal ran
-            ran = True
             results: list[KeyResult] = []
             for j, i in enumerate(group):
                 slot, gen = reserved[i]
@@ -211,14 +212,11 @@ class SharedMemoryStore(Store):
                     continue
                 written[j] = (slot, gen, dst.nbytes, layout_word, seal)
                 results.append(OK)
-            published = self._publish(arena, written, [words[i] for i in group])
+            published = self._publish(arena, written, names)
             return [r if not r.ok or done else _LOST for r, done in zip(results, published)]
 
-        try:
-            task.run_keys(group, work)
-        finally:
-            if not ran:  # cancelled before it started: the reserved slots go back
-                self._publish(arena, written, [words[i] for i in group])
+        # cancelled before it started: the reserved slots go back
+        _run_keys(task, group, work, undo=lambda: self._publish(arena, written, names))
 
     @staticmethod
     def _publish(arena: Arena, written: list[Any], words: list[tuple[int, int]]) -> list[bool]:
@@ -255,11 +253,8 @@ class SharedMemoryStore(Store):
         layout_word: int,
     ) -> None:
         pins = [pinned[i] for i in group]
-        ran = False
 
         def work() -> list[KeyResult]:
-            nonlocal ran
-            ran = True
             results: list[KeyResult] = []
             bad: list[Pinned] = []
             for i, pin in zip(group, pins):
@@ -273,14 +268,13 @@ class SharedMemoryStore(Store):
                 return [KeyResult(Status.ERROR, str(exc))] * len(group)
             return [r if kept else MISS for r, kept in zip(results, same)]
 
-        try:
-            task.run_keys(group, work)
-        finally:
-            if not ran:
-                try:
-                    arena.unpin(pins)  # type: ignore[arg-type]
-                except ArenaBusy:
-                    pass  # the pins' leases end by themselves
+        def undo() -> None:  # cancelled before it started: the pins go
+            try:
+                arena.unpin(pins)  # type: ignore[arg-type]
+            except ArenaBusy:
+                pass  # their leases end by themselves
+
+        _run_keys(task, group, work, undo)
 
     def _load_one(
         self,
@@ -315,9 +309,7 @@ class SharedMemoryStore(Store):
         arena = self._attached()
         if arena is None or not keys:
             return np.zeros(len(keys), bool)
-        signer = self._signer
-        names = b"".join(keys) if signer is None else b"".join(signer.name(k) for k in keys)
-        return arena.found(np.frombuffer(names, "<u8").reshape(-1, 2))
+        return arena.found(np.frombuffer(self._names(keys), "<u8").reshape(-1, 2))
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         found: list[bool] = self._found(keys).tolist()
@@ -349,6 +341,25 @@ class SharedMemoryStore(Store):
         self._pool.shutdown(wait=True)
         if self._arena is not None:
             self._arena.close()
+
+
+def _run_keys(
+    task: Task, group: list[int], work: Callable[[], list[KeyResult]], undo: Callable[[], Any]
+) -> None:
+    """``task.run_keys(group, work)``, and ``undo()`` if the task was cancelled before
+    ``work`` ran (it would have released the slots or pins the group holds)."""
+    ran = False
+
+    def run() -> list[KeyResult]:
+        nonlocal ran
+        ran = True
+        return work()
+
+    try:
+        task.run_keys(group, run)
+    finally:
+        if not ran:
+            undo()
 
 
 _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")

@@ -43,10 +43,7 @@ class WriteBehind:
         self._cond = threading.Condition()
         self._closing = False
         self._busy = False
-        self.written = 0  # blocks written below
-        self.failed = 0  # blocks whose write below failed
-        self.gone = 0  # blocks evicted from the local tier before their turn
-        self._unreported = 0
+        self._unreported = 0  # blocks whose write below failed, not logged yet
         self._reported_at = 0.0
         self._thread = threading.Thread(target=self._run, name="ucm-write-behind", daemon=True)
         self._thread.start()
@@ -126,7 +123,7 @@ class WriteBehind:
                 self._move(batch)
             except Exception:  # a bug must not stop the queue
                 log.exception("ucm tiered store: writing behind failed")
-                self.failed += len(batch)
+                self._unreported += len(batch)
             finally:
                 with self._cond:
                     self._queued_bytes -= sum(n for _, n, _ in batch)
@@ -140,7 +137,6 @@ class WriteBehind:
         copies = [bytearray(n) for _, n, _ in batch]  # sizes the engine gave, not read
         loaded = self.front.wait(self.front.load(keys, copies, layout), WRITE_TIMEOUT_S)
         held = [i for i, r in enumerate(loaded) if r.ok]
-        self.gone += len(batch) - len(held)
         if not held:
             return
         task = self.backing.dump([keys[i] for i in held], [copies[i] for i in held], layout)
@@ -150,8 +146,6 @@ class WriteBehind:
             task.cancel(wait=WRITE_TIMEOUT_S)
             results = [None] * len(held)  # type: ignore[list-item]
         ok = sum(r is not None and r.status is Status.OK for r in results)
-        self.written += ok
-        self.failed += len(held) - ok
         self._unreported += len(held) - ok
 
     def _report(self) -> None:

@@ -50,9 +50,11 @@ class TieredStore(Store):
             queued = behind.offer(
                 [keys[i] for i in held], [payloads[i].nbytes for i in held], layout
             )
-            through = [i for i in range(len(keys)) if not queued or i not in set(held)]
-            for i in set(range(len(keys))) - set(through):
-                whole.set_result(i, results[i])
+            # the held blocks go below behind the caller's back, unless the queue is full
+            through = [i for i, r in enumerate(results) if not (queued and r.ok)]
+            if queued:
+                for i in held:
+                    whole.set_result(i, results[i])
             if not through:
                 return
             if whole.cancelled:  # the caller may have taken its buffers back already
