@@ -152,6 +152,22 @@ def test_hits_are_whole_store_blocks_loaded_async(harness, stored, expect):
     assert req.num_computed_tokens == expect  # rescheduled from the end of the hit
 
 
+def test_an_engine_that_cannot_take_loads_computes_all_and_dumps_only_what_is_new(harness):
+    # vLLM CPU's MLA backend (support.loads_refused): found blocks are neither loaded nor
+    # dumped again
+    h = harness(load_mode="async")
+    h.connector.scheduler.loads = False
+    tokens = prompt(800)
+    store_blocks(h, tokens, 2)
+    req = h.add_request(tokens, max_tokens=1)
+    dumps = []
+    for _ in range(4):  # 800 tokens in chunks of 256, from token 0
+        so, _ = h.step()
+        assert meta(so).loads == [] and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+        dumps += [span(t) for t in meta(so).dumps]
+    assert req.num_computed_tokens == 800 and dumps == [(2, 1)]
+
+
 @pytest.mark.parametrize("stored", [2, 1, 0])
 def test_sync_hits_load_in_the_step_that_schedules_them(harness, stored):
     h = harness(max_num_batched_tokens=1024)  # one KV-cache group: "auto" loads sync

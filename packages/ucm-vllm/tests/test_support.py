@@ -3,8 +3,10 @@ releases it is tested with."""
 
 import logging
 
+import pytest
+
 from ucm.core.config import parse_store_config
-from ucm.vllm.support import TESTED_VLLM, store_summary, version_warning
+from ucm.vllm.support import TESTED_VLLM, loads_refused, store_summary, version_warning
 
 
 def test_tested_releases_start_quietly_and_others_are_warned_about():
@@ -48,3 +50,21 @@ def test_the_scheduler_logs_that_ucm_is_active(tmp_path, caplog):
         SchedulerHarness.create(tmp_path, kv_transfer_config=transfer)
     active = [r.getMessage() for r in caplog.records if "UCMConnector active" in r.getMessage()]
     assert len(active) == 1 and f"posix at {tmp_path / 's'}" in active[0], active
+
+
+@pytest.mark.parametrize(
+    "cpu, mla, prefix_caching, refused",
+    [
+        (True, True, False, True),  # vLLM CPU's reference MLA backend
+        (True, True, True, False),  # AMX hosts keep prefix caching: they attend to cached KV
+        (True, False, False, False),  # the user turned prefix caching off; loads still work
+        (False, True, False, False),  # GPUs
+    ],
+)
+def test_loads_are_refused_only_where_the_engine_cannot_prefill_on_cached_kv(
+    cpu, mla, prefix_caching, refused
+):
+    reason = loads_refused(cpu=cpu, mla=mla, prefix_caching=prefix_caching)
+    assert (reason is not None) == refused
+    if refused:
+        assert "MLA" in reason and "loads none" in reason

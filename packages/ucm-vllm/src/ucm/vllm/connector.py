@@ -23,7 +23,7 @@ from ucm.vllm.layout import describe
 from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.vllm.stores import ConnectorStores
-from ucm.vllm.support import store_summary, version_warning
+from ucm.vllm.support import loads_refused, store_summary, version_warning
 from ucm.vllm.worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -76,6 +76,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self.gauges: GaugeSampler | None = None
         if role == KVConnectorRole.SCHEDULER:
             _log_start(self.config, self.layout)
+            refused = _loads_refused(vllm_config)
+            if refused:
+                log.warning(refused)
             self.gauges = GaugeSampler(stores)  # the store as a whole: one side reports it
             self.scheduler = SchedulerSide(
                 self.layout,
@@ -84,6 +87,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 sync_loads=sync,
                 wa_dump_block_wise=self.config.wa_dump_block_wise,
                 weights_digest=self.config.weights_digest,
+                loads=refused is None,
             )
         else:
             self.worker = WorkerSide(
@@ -238,11 +242,13 @@ def _log_start(config: Any, layout: Any) -> None:
     warning = version_warning(getattr(vllm, "__version__", "unknown"))
     if warning:
         log.warning(warning)
-    if any(group.replicated for group in layout.groups):
-        # Found on vLLM CPU's MLA backend (tools/research/issue28): outputs after a load
-        # differ from a run without the connector, cause not yet known.
-        log.warning(
-            "UCMConnector: this model's KV cache is MLA (one latent cache on every rank); "
-            "loads into it are not verified yet and have given other outputs than a run "
-            "without the connector on vLLM CPU: check outputs before relying on hits"
-        )
+
+
+def _loads_refused(vllm_config: Any) -> str | None:
+    from vllm.platforms import current_platform
+
+    return loads_refused(
+        cpu=current_platform.is_cpu(),
+        mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
+        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+    )

@@ -56,8 +56,11 @@ class SchedulerSide:
         sync_loads: bool = False,
         wa_dump_block_wise: bool = True,
         weights_digest: str = "sampled",
+        loads: bool = True,
     ) -> None:
         self.layout = layout
+        self.loads = loads  # False: the engine cannot compute on loaded KV (what is found is
+        # only not dumped again)
         self.weights_digest = weights_digest
         # LoRA adapter identities, with the state of the files they were computed from
         self.adapters: dict[tuple[str, str | None], tuple[tuple[Any, ...], str]] = {}
@@ -184,7 +187,7 @@ class SchedulerSide:
         # vLLM must compute at least the last prompt token to sample the next one; the
         # hit's last block is still loaded whole.
         hit = min(state.hit * bt, request.num_tokens - 1) - num_computed_tokens
-        if hit <= 0 or hit < self.load_threshold:
+        if hit <= 0 or hit < self.load_threshold or not self.loads:
             return 0, False
         return hit, not self.sync_loads
 

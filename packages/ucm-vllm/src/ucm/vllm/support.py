@@ -42,3 +42,21 @@ def store_summary(store: Any) -> str:
         )
     signed = ", signed" if getattr(store, "secret", None) else ""
     return f"{kind} at {where} ({size_text}{signed})"
+
+
+def loads_refused(*, cpu: bool, mla: bool, prefix_caching: bool) -> str | None:
+    """Why this engine must be given no loaded blocks (None when it can take them).
+
+    vLLM CPU's reference MLA backend cannot prefill on top of cached KV: the platform turns
+    prefix caching and chunked prefill off for MLA models (AMX hosts excepted), and forcing
+    either on gives other outputs than a run from token 0, with or without UCM
+    (tools/research/issue28).  A load is such a prefill, so this engine stores blocks for
+    others but loads none.  Where prefix caching stayed on, the backend attends to cached KV.
+    """
+    if not (cpu and mla and not prefix_caching):
+        return None
+    return (
+        "UCMConnector: vLLM's CPU MLA backend cannot prefill on top of cached KV (vLLM turned "
+        "prefix caching off for this model), so this engine stores blocks but loads none; "
+        "engines on GPUs or AMX CPUs load them"
+    )

@@ -20,6 +20,7 @@ __all__ = [
     "tiny_llama_config",
     "make_tiny_llama",
     "make_tiny_lora",
+    "make_tiny_deepseek_v2",
     "dummy_llama_config",
     "make_dummy_llama",
 ]
@@ -132,6 +133,27 @@ def make_tiny_llama(
     saved.update(cfg)
     (d / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
     stamp.write_text(json.dumps(want, sort_keys=True))
+    return d
+
+
+def make_tiny_deepseek_v2(dir: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """Write a tiny DeepseekV2ForCausalLM (MLA attention: one 576-wide latent per token and
+    layer; dense layers only, as vLLM CPU's expert router wants grouped routing) with seeded
+    random bf16 weights to ``dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    d = Path(dir)
+    cfg = DeepseekV2Config(
+        vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
+        v_head_dim=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=2, max_position_embeddings=4096, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_theta=10000.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(d)
     return d
 
 
