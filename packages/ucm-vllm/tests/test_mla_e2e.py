@@ -22,9 +22,7 @@ def mla_model(tmp_path_factory):
     return str(make_tiny_deepseek_v2(tmp_path_factory.mktemp("models") / "tiny_mla"))
 
 
-def test_an_mla_engine_on_the_cpu_dumps_loads_nothing_and_keeps_its_outputs(
-    mla_model, tmp_path
-):
+def test_an_mla_engine_on_the_cpu_dumps_loads_nothing_and_keeps_its_outputs(mla_model, tmp_path):
     # 600 shared tokens: nine 64-token blocks a lookup would find for the second prompt
     prompts = shared_prefix_prompts(3, prefix=600, tail=40)
     spec = {"model": mla_model, "prompts": prompts, "engine": {"block_size": 16}}

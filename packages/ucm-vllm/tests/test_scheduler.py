@@ -152,6 +152,29 @@ def test_hits_are_whole_store_blocks_loaded_async(harness, stored, expect):
     assert req.num_computed_tokens == expect  # rescheduled from the end of the hit
 
 
+def test_blocks_vllm_holds_and_the_store_has_are_not_dumped_again(harness):
+    h = harness()
+    tokens = prompt(800)
+
+    def run(req) -> list[tuple[int, int]]:
+        dumps, reply = [], None
+        while not req.is_finished():
+            so, _ = h.step(reply)
+            dumps += [span(t) for t in meta(so).dumps]
+            reply = KVConnectorOutput(
+                finished_sending=set(meta(so).delayed),
+                finished_recving={t.req_id for t in meta(so).loads},
+            )
+        drain(h)
+        return dumps
+
+    assert run(h.add_request(tokens, max_tokens=1)) == [(0, 1), (1, 1), (2, 1)]
+    store_blocks(h, tokens, 3)  # what the workers would have written
+    # vLLM's prefix cache holds the first 768 tokens: the lookup finds them stored too
+    again = h.add_request(tokens + prompt(300, seed=1), max_tokens=1)
+    assert run(again) == [(3, 1)]
+
+
 def test_an_engine_that_cannot_take_loads_computes_all_and_dumps_only_what_is_new(harness):
     # vLLM CPU's MLA backend (support.loads_refused): found blocks are neither loaded nor
     # dumped again

@@ -4,7 +4,6 @@ releases it is tested with."""
 import logging
 
 import pytest
-
 from ucm.core.config import parse_store_config
 from ucm.vllm.support import TESTED_VLLM, loads_refused, store_summary, version_warning
 

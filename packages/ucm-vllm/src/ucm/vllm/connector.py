@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from ucm.vllm.config import connector_config, sync_loads
+from ucm.vllm.events import StoredReport, medium_of
 from ucm.vllm.gauges import GaugeSampler
 from ucm.vllm.layout import describe
-from ucm.vllm.scheduler import SchedulerSide
+from ucm.vllm.scheduler import SchedulerSide, StoredEvents
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.vllm.stores import ConnectorStores
 from ucm.vllm.support import loads_refused, store_summary, version_warning
@@ -71,6 +73,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             self.config.wa_capacity_fraction,
             lookups_only=role == KVConnectorRole.SCHEDULER,
         )
+        events = vllm_config.kv_events_config
+        self.events_on = bool(events is not None and events.enable_kv_cache_events)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.gauges: GaugeSampler | None = None
@@ -88,6 +92,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 wa_dump_block_wise=self.config.wa_dump_block_wise,
                 weights_digest=self.config.weights_digest,
                 loads=refused is None,
+                events=StoredEvents(
+                    self.layout,
+                    getattr(kv_cache_config, "hash_block_size", None)
+                    or vllm_config.cache_config.block_size,
+                    medium_of(self.config.store),
+                )
+                if self.events_on
+                else None,
             )
         else:
             self.worker = WorkerSide(
@@ -97,6 +109,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 sync_loads=sync,
                 load_timeout_s=self.config.load_timeout_s,
                 staging_bytes=self.config.staging_mib << 20,
+                report_stored=self.events_on,
             )
 
     @property
@@ -127,6 +140,16 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         # Every group: full-attention blocks, and the window groups' tails at the hit.
         return tuple(g.index for g in self.layout.groups)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = connector_output.kv_cache_events
+        events = self._sched().events
+        if events is not None and isinstance(report, StoredReport):
+            events.blocks.report(report.stored)
+
+    def take_events(self) -> Iterable[Any]:
+        events = self.scheduler.events if self.scheduler is not None else None
+        return events.blocks.take() if events is not None else ()
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
@@ -170,6 +193,10 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_kv_cache_events(self) -> StoredReport | None:
+        # every step, empty or not: each rank's report counts toward the step's
+        return StoredReport(self._work().take_stored()) if self.events_on else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

@@ -16,6 +16,7 @@ from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundarie
 from ucm.core.hybrid_store import plan_dump
 from ucm.core.keys import block_keys, placed_extras, scoped_keys
 from ucm.vllm.counters import Counters
+from ucm.vllm.events import StoredBlocks
 from ucm.vllm.layout import ModelLayout, adapter_files, adapter_identity
 from ucm.vllm.metadata import UCMConnectorMetadata
 from ucm.vllm.stores import ConnectorStores
@@ -57,6 +58,7 @@ class SchedulerSide:
         wa_dump_block_wise: bool = True,
         weights_digest: str = "sampled",
         loads: bool = True,
+        events: StoredEvents | None = None,
     ) -> None:
         self.layout = layout
         self.loads = loads  # False: the engine cannot compute on loaded KV (what is found is
@@ -75,6 +77,7 @@ class SchedulerSide:
         self.pending_dumps: list[Transfer] = []  # of requests that finished, not yet planned
         self.delayed: list[str] = []
         self.stats = Counters()
+        self.events = events
 
     # -- keys and lookups --
 
@@ -118,8 +121,9 @@ class SchedulerSide:
     def _ranks(self, replicated: bool) -> range:
         return range(1) if replicated else range(self.layout.world_size)
 
-    def _usable_hit(self, chain: list[bytes], floor: int) -> int:
-        """Boundaries stored for every group and rank, window tails included."""
+    def _usable_hit(self, chain: list[bytes], floor: int) -> tuple[int, int]:
+        """(Boundaries of the usable hit, window tails included, or 0; the prefix stored for
+        every full group and rank, whatever vLLM holds: what a dump need not write again)."""
         assert self.stores is not None
         hybrid = self.layout.hybrid
         found = len(chain)
@@ -127,10 +131,12 @@ class SchedulerSide:
             if group.kind != "full":
                 continue
             for rank in self._ranks(group.replicated):
-                if found <= floor:
-                    return 0
+                if found == 0:
+                    return 0, 0
                 keys = scoped_keys(chain[:found], self.layout.scope(group, rank))
                 found = min(found, self.stores.of(group).lookup_prefix(keys))
+        if found <= floor:
+            return 0, found
         bounds = wa_lookup_boundaries(hybrid, found, floor)
         wa_stored: dict[int, list[bool]] = {}
         for g in hybrid.tail_groups:
@@ -141,7 +147,7 @@ class SchedulerSide:
                 present = self.stores.of(group).lookup(keys) if keys else []
                 stored[floor:] = [a and b for a, b in zip(stored[floor:], present)]
             wa_stored[g] = stored
-        return usable_hit(hybrid, found, wa_stored, floor=floor)
+        return usable_hit(hybrid, found, wa_stored, floor=floor), found
 
     # -- vLLM hooks --
 
@@ -174,16 +180,20 @@ class SchedulerSide:
                 lookup_requests=1, lookup_tokens=max(0, request.num_tokens - num_computed_tokens)
             )
         try:
-            state.hit = self._usable_hit(state.chain, floor)
+            state.hit, stored = self._usable_hit(state.chain, floor)
         except Exception as exc:  # noqa: BLE001 - a failing store means no hit, not an error
             log.warning("ucm: store lookup failed, recomputing: %s", exc)
             self.stats.add(lookup_errors=1)
-            state.hit = 0
+            state.hit = stored = 0
         state.local = num_computed_tokens
         state.wa_after = max(state.wa_after, floor)
         # Dumps continue from the hit: full blocks below it are stored, and window tails
-        # past it are not (or the hit would be longer).
-        state.next_dump = max(state.next_dump, state.hit)
+        # past it are not (or the hit would be longer).  Without window groups, from all
+        # that is stored, loaded or not: blocks vLLM holds itself were stored by the
+        # request that computed them, and are not written again.
+        state.next_dump = max(
+            state.next_dump, state.hit if self.layout.has_windows else max(state.hit, stored)
+        )
         # vLLM must compute at least the last prompt token to sample the next one; the
         # hit's last block is still loaded whole.
         hit = min(state.hit * bt, request.num_tokens - 1) - num_computed_tokens
@@ -262,6 +272,8 @@ class SchedulerSide:
         if not items:
             return None
         state.dumped = True
+        if self.events is not None:
+            self.events.expect(state.request, state.chain, items, self.layout.block_tokens)
         return Transfer(state.request.request_id, items)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
@@ -291,3 +303,46 @@ def _preempted(request: Any) -> bool:
     from vllm.v1.request import RequestStatus
 
     return bool(request.status == RequestStatus.PREEMPTED)
+
+
+class StoredEvents:
+    """The scheduler's half of KV events (:mod:`ucm.vllm.events`): each full-attention block
+    planned for a dump, named as vLLM names it, released once every rank stored it."""
+
+    def __init__(self, layout: ModelLayout, hash_block_size: int, medium: str) -> None:
+        self.hash_block_size = hash_block_size
+        self.medium = medium
+        self.groups = {g.index for g in layout.groups if g.kind == "full"}
+        self.blocks = StoredBlocks(
+            {g.index: 1 if g.replicated else layout.world_size for g in layout.groups
+             if g.index in self.groups}
+        )  # fmt: skip
+
+    def expect(self, request: Any, chain: list[bytes], items: list[Item], tokens: int) -> None:
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        hashes = getattr(request, "block_hashes", ())
+        ext = maybe_convert_block_hash
+        per = tokens // self.hash_block_size  # vLLM's hashes in one stored block
+        lora = getattr(request, "lora_request", None)
+        for it in items:
+            if it.group not in self.groups:
+                continue
+            first = it.key * per
+            if per < 1 or first + per > len(hashes):
+                continue  # not hashed by vLLM (yet): nothing a router could match
+            self.blocks.expect(
+                (it.group, it.chain_key),
+                BlockStored(
+                    block_hashes=[ext(h) for h in hashes[first : first + per]],
+                    parent_block_hash=ext(hashes[first - 1]) if first else None,
+                    token_ids=list(request.prompt_token_ids[it.key * tokens :][:tokens]),
+                    block_size=self.hash_block_size,
+                    lora_id=getattr(lora, "lora_int_id", None),
+                    medium=self.medium,
+                    lora_name=getattr(lora, "lora_name", None),
+                    group_idx=it.group,
+                    ownership="ucm",
+                ),
+            )

@@ -30,6 +30,7 @@ torch tensors, so its data path runs wherever torch does (a GPU machine without 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
@@ -85,8 +86,13 @@ class WorkerSide:
         sync_loads: bool = False,
         load_timeout_s: float = 10.0,
         staging_bytes: int = 128 << 20,
+        report_stored: bool = False,
     ) -> None:
         self.layout = layout
+        # KV events (ucm.vllm.events): the blocks this rank stored, reported each step
+        self.report_stored = report_stored
+        self._stored: list[tuple[int, bytes]] = []
+        self._stored_lock = threading.Lock()
         self.stores = stores
         self.single_group = num_groups == 1
         self.sync_loads = sync_loads
@@ -365,8 +371,22 @@ class WorkerSide:
             self.rows.give(rows)
             return
         task.add_done_callback(lambda _task: self.rows.give(rows))
+        if self.report_stored:
+            names = [(it.group, it.chain_key) for it in items]
+            task.add_done_callback(lambda done: self._note_stored(names, done.partial()))
         self.tracker.submit(req_id, task)
         self.stats.add(dumped_bytes=sum(r.numel() for r in rows))
+
+    def _note_stored(self, names: list[tuple[int, bytes]], results: list[Any]) -> None:
+        stored = [name for name, r in zip(names, results) if r is not None and r.ok]
+        with self._stored_lock:
+            self._stored += stored
+
+    def take_stored(self) -> list[tuple[int, bytes]]:
+        """The blocks this rank stored since the last call: (group, chain key) each."""
+        with self._stored_lock:
+            stored, self._stored = self._stored, []
+        return stored
 
     # -- completion --
 

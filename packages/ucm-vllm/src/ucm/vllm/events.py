@@ -1,0 +1,118 @@
+"""KV events for routers: a ``BlockStored`` once a block is in UCM's store.
+
+A KV-aware router (llm-d's prefix-cache scorer, Dynamo's router) learns where blocks live
+from the KV events vLLM publishes with ``--kv-events-config``.  vLLM publishes its own
+cache's events; a connector adds its own through three hooks: each worker returns what it
+did in a step (``get_kv_connector_kv_cache_events``), vLLM gathers the workers' returns into
+one object for the scheduler (``update_connector_output``), and the scheduler hands events
+to the publisher (``take_events``).
+
+A block is in the store only once every rank that writes it has written its shard (each
+rank its own shard; of a cache replicated on every rank, one rank each block), so the
+workers report the blocks they stored (:class:`StoredReport`) and the scheduler counts the
+reports (:class:`StoredBlocks`) until each block's writers are all in.  The event names the
+block the way vLLM's own events do (its block hashes, tokens and block size), so a router
+matches it against the prompts it sees.
+
+What a router cannot learn from these: blocks evicted from the store, or stored by other
+engines of a shared store, are not announced by this engine (docs: vllm.md, KV events).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+
+#: blocks planned for a dump whose reports are not all in yet, at most (the oldest are
+#: forgotten: a dump that never reports, failed on a rank, must not hold memory for ever)
+PENDING_LIMIT = 100_000
+
+#: (KV-cache group index, the block's token-chain key): one block as the ranks report it
+BlockName = tuple[int, bytes]
+
+
+class StoredReport(KVConnectorKVEvents):
+    """What the workers stored in one step, gathered by vLLM across the ranks.
+
+    ``stored`` holds each rank's :data:`BlockName` s as reported (a block written by two
+    ranks appears twice).  Never falsy: vLLM counts a rank toward the step's report only
+    when its object is truthy, and an empty report is still a rank's report."""
+
+    def __init__(self, stored: Iterable[BlockName] = (), workers: int = 1) -> None:
+        self.stored: list[BlockName] = list(stored)
+        self.workers = workers
+
+    def add_events(self, events: list[Any]) -> None:
+        self.stored.extend(events)
+
+    def aggregate(self) -> StoredReport:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self.stored)
+
+    def get_number_of_workers(self) -> int:
+        return self.workers
+
+    def clear_events(self) -> None:
+        self.stored.clear()
+
+    def __repr__(self) -> str:
+        return f"StoredReport({len(self.stored)} blocks from {self.workers} rank(s))"
+
+
+class StoredBlocks:
+    """The scheduler's count of the ranks' reports: a block's event is released once as
+    many ranks as write it (``writers[group]``) reported it stored.
+
+    ``expect`` is called when a dump is planned, with the event to publish; a block
+    reported without being expected (planned before a restart, or forgotten) is ignored."""
+
+    def __init__(self, writers: Mapping[int, int], limit: int = PENDING_LIMIT) -> None:
+        self.writers = dict(writers)
+        self.limit = limit
+        self._pending: OrderedDict[BlockName, list[Any]] = OrderedDict()  # [event, reports]
+        self._ready: list[KVCacheEvent] = []
+
+    def expect(self, name: BlockName, event: KVCacheEvent) -> None:
+        if name[0] not in self.writers or name in self._pending:
+            return  # a group not announced, or a block planned twice: one event
+        self._pending[name] = [event, 0]
+        while len(self._pending) > self.limit:
+            self._pending.popitem(last=False)
+
+    def report(self, stored: Iterable[BlockName]) -> None:
+        for name in stored:
+            entry = self._pending.get(name)
+            if entry is None:
+                continue
+            entry[1] += 1
+            if entry[1] >= self.writers[name[0]]:
+                del self._pending[name]
+                self._ready.append(entry[0])
+
+    def take(self) -> list[KVCacheEvent]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def clear(self) -> None:
+        self._pending.clear()
+        self._ready.clear()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+def medium_of(store: Any) -> str:
+    """The tier a block lands in first, as vLLM's event ``medium`` names tiers: host memory
+    (``CPU``) for a dram store or a tiered store with a dram front, else ``STORAGE``."""
+    if store.kind == "tiered":
+        return "CPU" if store.dram is not None else medium_of(store.local or store.backing)
+    return "CPU" if store.kind == "dram" else "STORAGE"
