@@ -101,10 +101,6 @@ class StoredBlocks:
         ready, self._ready = self._ready, []
         return ready
 
-    def clear(self) -> None:
-        self._pending.clear()
-        self._ready.clear()
-
     @property
     def pending(self) -> int:
         return len(self._pending)

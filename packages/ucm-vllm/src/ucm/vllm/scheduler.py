@@ -189,8 +189,8 @@ class SchedulerSide:
         state.wa_after = max(state.wa_after, floor)
         # Dumps continue from the hit: full blocks below it are stored, and window tails
         # past it are not (or the hit would be longer).  Without window groups, from all
-        # that is stored, loaded or not: blocks vLLM holds itself were stored by the
-        # request that computed them, and are not written again.
+        # the store holds, loaded or not (vLLM may hold that prefix itself): what is
+        # stored is not written again.
         state.next_dump = max(
             state.next_dump, state.hit if self.layout.has_windows else max(state.hit, stored)
         )
