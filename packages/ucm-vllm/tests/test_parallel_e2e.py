@@ -90,8 +90,7 @@ def test_two_servers_sharing_host_memory_load_what_the_other_stored(tiny_model, 
     store = {"kind": "dram", "path": str(shm), "capacity_gb": 0.0625}
     tokenizer = str(make_word_tokenizer(tmp_path / "tokenizer"))
     servers = [
-        Server(tiny_model, tokenizer, tmp_path / f"{name}.log", store=store)
-        for name in ("a", "b")
+        Server(tiny_model, tokenizer, tmp_path / f"{name}.log", store=store) for name in ("a", "b")
     ]
     answers: dict[int, dict] = {}
 
