@@ -3,7 +3,10 @@
 vLLM CPU's reference MLA backend cannot prefill on top of cached KV: it turns prefix caching
 off for MLA models, and a prefill after a load (or after vLLM's own prefix cache, forced on)
 gave other tokens than a run from token 0.  So on this engine the connector stores blocks and
-loads none, and outputs must equal a run without it."""
+loads none, and outputs must equal a run without it.
+
+Two ranks: the latent cache is the same on both, so each block is written once, by one
+rank (block ``i`` by rank ``i % 2``), under a key both ranks share."""
 
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ def test_an_mla_engine_on_the_cpu_dumps_loads_nothing_and_keeps_its_outputs(mla_
     assert run["metrics"].get("vllm:ucm_lookup_hit_tokens", 0) == 0
     assert all(out["num_cached_tokens"] == 0 for out in run["outputs"])
     # the blocks are stored for engines that can load them: ten of the first prompt, the
-    # last of each other prompt; what the store holds is not dumped again
+    # last of each other prompt, each by one of the two ranks; what the store holds is
+    # not dumped again
     assert run["metrics"]["vllm:ucm_dumped_blocks"] == 12
     blocks = [p for p in (tmp_path / "store" / "blocks").rglob("*") if p.is_file()]
     assert len(blocks) == 12
