@@ -324,7 +324,9 @@ class StoredEvents:
 
         hashes = getattr(request, "block_hashes", ())
         ext = maybe_convert_block_hash
-        per = tokens // self.hash_block_size  # vLLM's hashes in one stored block
+        per, rest = divmod(tokens, self.hash_block_size)  # vLLM's hashes in one stored block
+        if rest:
+            return  # a stored block that ends inside one of vLLM's: no hashes name it
         lora = getattr(request, "lora_request", None)
         for it in items:
             if it.group not in self.groups:
