@@ -1,5 +1,6 @@
-"""KV events for routers: the connector's ``BlockStored`` events, counted across ranks, and
-seen by a ZMQ subscriber of ``vllm serve --kv-events-config`` as a router sees them."""
+"""KV events for routers: the connector's ``BlockStored`` events, counted across ranks, its
+``BlockRemoved`` events for blocks found corrupt, and both seen by a ZMQ subscriber of
+``vllm serve --kv-events-config`` as a router sees them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from ucm.vllm.events import StoredBlocks, StoredReport, medium_of  # noqa: E402
-from vllm.distributed.kv_events import BlockStored  # noqa: E402
+from ucm.vllm.transfers import DROPPED, STORED  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
 
 def stored(i: int) -> BlockStored:
@@ -30,14 +32,26 @@ def test_a_block_is_announced_once_every_rank_that_writes_it_stored_it():
     blocks.expect((0, b"a"), stored(99))  # planned twice: announced once
     blocks.expect((1, b"a"), stored(2))
     blocks.expect((2, b"a"), stored(3))  # a group without events (window tails)
-    blocks.report([(0, b"a"), (1, b"a")])
+    blocks.report([(STORED, 0, b"a"), (STORED, 1, b"a")])
     assert blocks.take() == [stored(2)]
-    blocks.report([(0, b"b")])  # never planned (a dump of before a restart)
+    blocks.report([(STORED, 0, b"b")])  # never planned (a dump of before a restart)
     assert blocks.take() == []
-    blocks.report([(0, b"a")])
+    blocks.report([(STORED, 0, b"a")])
     assert blocks.take() == [stored(1)] and blocks.take() == []
-    blocks.report([(0, b"a")])  # a late report of a block already announced
+    blocks.report([(STORED, 0, b"a")])  # a late report of a block already announced
     assert blocks.take() == [] and blocks.pending == 0
+
+
+def test_a_block_one_rank_found_corrupt_is_announced_removed_once():
+    blocks = StoredBlocks({0: 2})
+    removed = BlockRemoved(block_hashes=[7], medium="STORAGE", ownership="ucm")
+    blocks.removable((0, b"a"), removed)  # a load of it is planned
+    blocks.report([(DROPPED, 0, b"b")])  # never loaded here: nothing names it
+    assert blocks.take() == []
+    blocks.report([(DROPPED, 0, b"a"), (DROPPED, 0, b"a")])  # both ranks found it bad
+    assert blocks.take() == [removed]
+    blocks.report([(DROPPED, 0, b"a")])
+    assert blocks.take() == []
 
 
 def test_blocks_whose_reports_never_come_are_forgotten_oldest_first():
@@ -45,16 +59,16 @@ def test_blocks_whose_reports_never_come_are_forgotten_oldest_first():
     for i in range(5):
         blocks.expect((0, bytes([i])), stored(i))
     assert blocks.pending == 3
-    blocks.report([(0, bytes([0]))] * 2 + [(0, bytes([4]))] * 2)
+    blocks.report([(STORED, 0, bytes([0]))] * 2 + [(STORED, 0, bytes([4]))] * 2)
     assert blocks.take() == [stored(4)]
 
 
 def test_a_report_is_truthy_empty_and_gathers_across_ranks_as_vllm_gathers_them():
-    first, second = StoredReport([(0, b"a")]), StoredReport()
-    assert first and second  # vLLM counts a rank's report only when it is truthy
+    first, second = StoredReport([(STORED, 0, b"a")]), StoredReport([(DROPPED, 0, b"b")])
+    assert first and StoredReport()  # vLLM counts a rank's report only when it is truthy
     first.add_events(second.get_all_events())
     first.increment_workers(1)
-    assert first.aggregate().get_all_events() == [(0, b"a")]
+    assert first.aggregate().get_all_events() == [(STORED, 0, b"a"), (DROPPED, 0, b"b")]
     assert first.get_number_of_workers() == 2
 
 
@@ -114,14 +128,18 @@ class Subscriber:
                 continue
             self.events += self.decoder.decode(payload).events
 
-    def ucm(self) -> list:
-        return [e for e in self.events if getattr(e, "ownership", None) == "ucm"]
+    def ucm(self, kind: type | None = None) -> list:
+        kind = kind or BlockStored
+        return [
+            e for e in self.events
+            if getattr(e, "ownership", None) == "ucm" and isinstance(e, kind)
+        ]  # fmt: skip
 
-    def wait_for(self, count: int, timeout: float = 30) -> list:
+    def wait_for(self, count: int, kind: type | None = None, timeout: float = 30) -> list:
         deadline = time.monotonic() + timeout
-        while len(self.ucm()) < count and time.monotonic() < deadline:
+        while len(self.ucm(kind)) < count and time.monotonic() < deadline:
             time.sleep(0.1)
-        return self.ucm()
+        return self.ucm(kind)
 
     def close(self) -> None:
         self.done.set()
@@ -146,6 +164,7 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
         tmp_path / "serve.log",
         store={"kind": "posix", "path": str(tmp_path / "store")},
         args=["--kv-events-config", json.dumps(config)],
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
     ).wait_ready()
     try:
         client = server.client()
@@ -155,6 +174,17 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
         both = subscriber.wait_for(5)
         time.sleep(2)  # nothing more comes: a block is announced once
         both = subscriber.ucm()
+        # every stored block damaged: the next load of the first prompt finds its four
+        # blocks corrupt, drops them (BlockRemoved), recomputes and stores them again
+        for block in (tmp_path / "store" / "blocks").rglob("*"):
+            if block.is_file():
+                data = bytearray(block.read_bytes())
+                data[-100] ^= 0xFF
+                block.write_bytes(bytes(data))
+        server.reset_prefix_cache()
+        complete(client, prompts[0], max_tokens=2)
+        removed = subscriber.wait_for(4, BlockRemoved)
+        again = subscriber.wait_for(9)
     finally:
         server.stop()
         subscriber.close()
@@ -163,7 +193,9 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
         assert event.medium == "STORAGE" and event.block_size == 32 and event.group_idx == 0
         assert len(event.block_hashes) == 8 and len(event.token_ids) == 256
     # named as vLLM names its own blocks: a router matches them to what engines hold
-    own = {h for e in subscriber.events if e.medium == "GPU" for h in e.block_hashes}
+    own = {
+        h for e in subscriber.events if getattr(e, "medium", None) == "GPU" for h in e.block_hashes
+    }
     assert {h for e in both for h in e.block_hashes} <= own
     # a chain: each block's parent is the last hash of the block before it (the events
     # come as the dumps finish, in any order)
@@ -174,3 +206,8 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
         assert after.parent_block_hash == before.block_hashes[-1]
     new = blocks[tuple(prompts[1][768:1024])]
     assert new.parent_block_hash == chain[2].block_hashes[-1]
+    # the corrupt blocks, named as they were stored, went; then they were stored again
+    assert len(removed) == 4 and all(e.medium == "STORAGE" for e in removed)
+    assert sorted(e.block_hashes for e in removed) == sorted(e.block_hashes for e in chain)
+    assert len(again) == 9
+    assert sorted(e.block_hashes for e in again[5:]) == sorted(e.block_hashes for e in chain)

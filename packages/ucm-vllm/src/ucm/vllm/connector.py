@@ -145,7 +145,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         report = connector_output.kv_cache_events
         events = self._sched().events
         if events is not None and isinstance(report, StoredReport):
-            events.blocks.report(report.stored)
+            events.blocks.report(report.reports)
 
     def take_events(self) -> Iterable[Any]:
         events = self.scheduler.events if self.scheduler is not None else None
@@ -196,7 +196,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_kv_cache_events(self) -> StoredReport | None:
         # every step, empty or not: each rank's report counts toward the step's
-        return StoredReport(self._work().take_stored()) if self.events_on else None
+        return StoredReport(self._work().take_reports()) if self.events_on else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

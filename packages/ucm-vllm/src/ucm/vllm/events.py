@@ -1,4 +1,5 @@
-"""KV events for routers: a ``BlockStored`` once a block is in UCM's store.
+"""KV events for routers: a ``BlockStored`` once a block is in UCM's store, a ``BlockRemoved``
+once this engine found it corrupt and dropped it.
 
 A KV-aware router (llm-d's prefix-cache scorer, Dynamo's router) learns where blocks live
 from the KV events vLLM publishes with ``--kv-events-config``.  vLLM publishes its own
@@ -14,6 +15,9 @@ reports (:class:`StoredBlocks`) until each block's writers are all in.  The even
 block the way vLLM's own events do (its block hashes, tokens and block size), so a router
 matches it against the prompts it sees.
 
+A block a load finds corrupt is dropped from the store by the rank that read it: that rank
+reports it, and the scheduler announces its removal at once (no longer loadable as a whole).
+
 What a router cannot learn from these: blocks evicted from the store, or stored by other
 engines of a shared store, are not announced by this engine (docs: vllm.md, KV events).
 """
@@ -23,6 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from ucm.vllm.transfers import DROPPED, Report
 
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
@@ -35,18 +41,18 @@ BlockName = tuple[int, bytes]
 
 
 class StoredReport(KVConnectorKVEvents):
-    """What the workers stored in one step, gathered by vLLM across the ranks.
+    """What the workers stored or dropped in one step, gathered by vLLM across the ranks.
 
-    ``stored`` holds each rank's :data:`BlockName` s as reported (a block written by two
-    ranks appears twice).  Never falsy: vLLM counts a rank toward the step's report only
-    when its object is truthy, and an empty report is still a rank's report."""
+    ``reports`` holds each rank's :data:`Report` s (a block written by two ranks appears
+    twice).  Never falsy: vLLM counts a rank toward the step's report only when its object
+    is truthy, and an empty report is still a rank's report."""
 
-    def __init__(self, stored: Iterable[BlockName] = (), workers: int = 1) -> None:
-        self.stored: list[BlockName] = list(stored)
+    def __init__(self, reports: Iterable[Report] = (), workers: int = 1) -> None:
+        self.reports: list[Report] = list(reports)
         self.workers = workers
 
     def add_events(self, events: list[Any]) -> None:
-        self.stored.extend(events)
+        self.reports.extend(events)
 
     def aggregate(self) -> StoredReport:
         return self
@@ -55,29 +61,32 @@ class StoredReport(KVConnectorKVEvents):
         self.workers += count
 
     def get_all_events(self) -> list[Any]:
-        return list(self.stored)
+        return list(self.reports)
 
     def get_number_of_workers(self) -> int:
         return self.workers
 
     def clear_events(self) -> None:
-        self.stored.clear()
+        self.reports.clear()
 
     def __repr__(self) -> str:
-        return f"StoredReport({len(self.stored)} blocks from {self.workers} rank(s))"
+        return f"StoredReport({len(self.reports)} reports from {self.workers} rank(s))"
 
 
 class StoredBlocks:
-    """The scheduler's count of the ranks' reports: a block's event is released once as
-    many ranks as write it (``writers[group]``) reported it stored.
+    """The scheduler's count of the ranks' reports: a block's ``BlockStored`` is released
+    once as many ranks as write it (``writers[group]``) reported it stored, its
+    ``BlockRemoved`` as soon as one rank reports it dropped.
 
-    ``expect`` is called when a dump is planned, with the event to publish; a block
-    reported without being expected (planned before a restart, or forgotten) is ignored."""
+    ``expect`` is called when a dump is planned, with the event to publish, ``removable``
+    when a load is planned; a block reported without being expected (planned before a
+    restart, or forgotten) is ignored."""
 
     def __init__(self, writers: Mapping[int, int], limit: int = PENDING_LIMIT) -> None:
         self.writers = dict(writers)
         self.limit = limit
         self._pending: OrderedDict[BlockName, list[Any]] = OrderedDict()  # [event, reports]
+        self._removable: OrderedDict[BlockName, KVCacheEvent] = OrderedDict()
         self._ready: list[KVCacheEvent] = []
 
     def expect(self, name: BlockName, event: KVCacheEvent) -> None:
@@ -87,8 +96,22 @@ class StoredBlocks:
         while len(self._pending) > self.limit:
             self._pending.popitem(last=False)
 
-    def report(self, stored: Iterable[BlockName]) -> None:
-        for name in stored:
+    def removable(self, name: BlockName, event: KVCacheEvent) -> None:
+        if name[0] not in self.writers:
+            return
+        self._removable[name] = event
+        self._removable.move_to_end(name)
+        while len(self._removable) > self.limit:
+            self._removable.popitem(last=False)
+
+    def report(self, reports: Iterable[Report]) -> None:
+        for kind, group, key in reports:
+            name = (group, key)
+            if kind == DROPPED:
+                removed = self._removable.pop(name, None)
+                if removed is not None:
+                    self._ready.append(removed)
+                continue
             entry = self._pending.get(name)
             if entry is None:
                 continue

@@ -209,6 +209,8 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()
         items = [self._item(state, ref, block_ids, skip=ref.held) for ref in plan.blocks]
         self.pending_loads.append(Transfer(request.request_id, items))
+        if self.events is not None:
+            self.events.loading(request, items, self.layout.block_tokens)
         state.loaded_to = min(state.local + num_external_tokens, request.num_tokens - 1)
         state.load_step = self.sync_loads
         self.stats.add(lookup_hit_tokens=num_external_tokens)
@@ -273,7 +275,7 @@ class SchedulerSide:
             return None
         state.dumped = True
         if self.events is not None:
-            self.events.expect(state.request, state.chain, items, self.layout.block_tokens)
+            self.events.expect(state.request, items, self.layout.block_tokens)
         return Transfer(state.request.request_id, items)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
@@ -307,7 +309,8 @@ def _preempted(request: Any) -> bool:
 
 class StoredEvents:
     """The scheduler's half of KV events (:mod:`ucm.vllm.events`): each full-attention block
-    planned for a dump, named as vLLM names it, released once every rank stored it."""
+    planned for a dump, named as vLLM names it, released once every rank stored it; each
+    planned for a load, announced removed if a rank finds it corrupt."""
 
     def __init__(self, layout: ModelLayout, hash_block_size: int, medium: str) -> None:
         self.hash_block_size = hash_block_size
@@ -318,27 +321,36 @@ class StoredEvents:
              if g.index in self.groups}
         )  # fmt: skip
 
-    def expect(self, request: Any, chain: list[bytes], items: list[Item], tokens: int) -> None:
-        from vllm.distributed.kv_events import BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    def _named(
+        self, request: Any, items: list[Item], tokens: int
+    ) -> list[tuple[Item, list[Any], Any]]:
+        """(item, vLLM's hashes of its block, the hash before them) of each full-attention
+        item that vLLM's hashes name."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
 
-        hashes = getattr(request, "block_hashes", ())
-        ext = maybe_convert_block_hash
         per, rest = divmod(tokens, self.hash_block_size)  # vLLM's hashes in one stored block
-        if rest:
-            return  # a stored block that ends inside one of vLLM's: no hashes name it
-        lora = getattr(request, "lora_request", None)
+        if rest or per < 1:
+            return []  # a stored block that ends inside one of vLLM's: no hashes name it
+        hashes = getattr(request, "block_hashes", ())
+        named = []
         for it in items:
-            if it.group not in self.groups:
-                continue
             first = it.key * per
-            if per < 1 or first + per > len(hashes):
-                continue  # not hashed by vLLM (yet): nothing a router could match
+            if it.group in self.groups and first + per <= len(hashes):
+                block = [ext(h) for h in hashes[first : first + per]]
+                named.append((it, block, ext(hashes[first - 1]) if first else None))
+        return named
+
+    def expect(self, request: Any, items: list[Item], tokens: int) -> None:
+        """Dumps planned: their ``BlockStored``, released once every writer reports."""
+        from vllm.distributed.kv_events import BlockStored
+
+        lora = getattr(request, "lora_request", None)
+        for it, block, parent in self._named(request, items, tokens):
             self.blocks.expect(
                 (it.group, it.chain_key),
                 BlockStored(
-                    block_hashes=[ext(h) for h in hashes[first : first + per]],
-                    parent_block_hash=ext(hashes[first - 1]) if first else None,
+                    block_hashes=block,
+                    parent_block_hash=parent,
                     token_ids=list(request.prompt_token_ids[it.key * tokens :][:tokens]),
                     block_size=self.hash_block_size,
                     lora_id=getattr(lora, "lora_int_id", None),
@@ -346,5 +358,17 @@ class StoredEvents:
                     lora_name=getattr(lora, "lora_name", None),
                     group_idx=it.group,
                     ownership="ucm",
+                ),
+            )
+
+    def loading(self, request: Any, items: list[Item], tokens: int) -> None:
+        """Loads planned: the ``BlockRemoved`` of each, should a rank find it corrupt."""
+        from vllm.distributed.kv_events import BlockRemoved
+
+        for it, block, _ in self._named(request, items, tokens):
+            self.blocks.removable(
+                (it.group, it.chain_key),
+                BlockRemoved(
+                    block_hashes=block, medium=self.medium, group_idx=it.group, ownership="ucm"
                 ),
             )

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 NULL_BLOCK = 0  # vLLM's block pool reserves block 0; it is never read or written here
 
 
+#: what a rank reports of a block for KV events (ucm.vllm.events): STORED or DROPPED,
+#: with the block's KV-cache group and token-chain key
+Report = tuple[str, int, bytes]
+STORED, DROPPED = "stored", "dropped"
+
+
 @dataclass
 class Item:
     """One stored block of one KV-cache group: a full-attention block or a window tail.

@@ -40,13 +40,13 @@ import attrs
 import torch
 from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
-from ucm.core.store import KeyResult, Task
+from ucm.core.store import KeyResult, Status, Task
 from ucm.kernels import BlockSegments, HostStager, block_segments, payload_nbytes
 from ucm.kernels.transfer import RowPool, deferred_payloads, row_buffers, verified_prefix
 from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
 from ucm.vllm.stores import ConnectorStores
-from ucm.vllm.transfers import NULL_BLOCK, Item, StepPlan, Transfer
+from ucm.vllm.transfers import DROPPED, NULL_BLOCK, STORED, Item, Report, StepPlan, Transfer
 
 log = logging.getLogger(__name__)
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
@@ -89,10 +89,11 @@ class WorkerSide:
         report_stored: bool = False,
     ) -> None:
         self.layout = layout
-        # KV events (ucm.vllm.events): the blocks this rank stored, reported each step
+        # KV events (ucm.vllm.events): the blocks this rank stored or dropped, reported
+        # each step
         self.report_stored = report_stored
-        self._stored: list[tuple[int, bytes]] = []
-        self._stored_lock = threading.Lock()
+        self._reports: list[Report] = []
+        self._reports_lock = threading.Lock()
         self.stores = stores
         self.single_group = num_groups == 1
         self.sync_loads = sync_loads
@@ -315,6 +316,11 @@ class WorkerSide:
         for result, used in zip(results, use):
             if not used:
                 self.stats.add_cause("load_errors", _load_error_cause(result, usable))
+        if self.report_stored:  # a corrupt block is dropped from the store by its reader
+            self._report(
+                [(DROPPED, it.group, it.chain_key) for it, r in zip(items, results)
+                 if r is not None and r.status is Status.CORRUPT]
+            )  # fmt: skip
         return all_ok
 
     def _group(self, item: Item) -> GroupLayout:
@@ -372,21 +378,24 @@ class WorkerSide:
             return
         task.add_done_callback(lambda _task: self.rows.give(rows))
         if self.report_stored:
-            names = [(it.group, it.chain_key) for it in items]
-            task.add_done_callback(lambda done: self._note_stored(names, done.partial()))
+            names = [(STORED, it.group, it.chain_key) for it in items]
+            task.add_done_callback(
+                lambda done: self._report(
+                    [n for n, r in zip(names, done.partial()) if r is not None and r.ok]
+                )
+            )
         self.tracker.submit(req_id, task)
         self.stats.add(dumped_bytes=sum(r.numel() for r in rows))
 
-    def _note_stored(self, names: list[tuple[int, bytes]], results: list[Any]) -> None:
-        stored = [name for name, r in zip(names, results) if r is not None and r.ok]
-        with self._stored_lock:
-            self._stored += stored
+    def _report(self, reports: list[Report]) -> None:
+        with self._reports_lock:
+            self._reports += reports
 
-    def take_stored(self) -> list[tuple[int, bytes]]:
-        """The blocks this rank stored since the last call: (group, chain key) each."""
-        with self._stored_lock:
-            stored, self._stored = self._stored, []
-        return stored
+    def take_reports(self) -> list[Report]:
+        """What this rank stored or dropped since the last call."""
+        with self._reports_lock:
+            reports, self._reports = self._reports, []
+        return reports
 
     # -- completion --
 
