@@ -32,8 +32,8 @@ from ucm.vllm.transfers import DROPPED, Report
 
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
-#: blocks planned for a dump whose reports are not all in yet, at most (the oldest are
-#: forgotten: a dump that never reports, failed on a rank, must not hold memory for ever)
+#: blocks waiting for their reports, at most, of dumps and of loads each (the oldest are
+#: forgotten: a dump that failed on a rank never reports, a load that went well neither)
 PENDING_LIMIT = 100_000
 
 #: (KV-cache group index, the block's token-chain key): one block as the ranks report it
