@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from ucm.vllm.config import connector_config, sync_loads
-from ucm.vllm.events import StoredReport, medium_of
+from ucm.vllm.events import StoredEvents, StoredReport, medium_of
 from ucm.vllm.gauges import GaugeSampler
 from ucm.vllm.layout import describe
-from ucm.vllm.scheduler import SchedulerSide, StoredEvents
+from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.vllm.stores import ConnectorStores
 from ucm.vllm.support import loads_refused, store_summary, version_warning
@@ -109,7 +109,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 sync_loads=sync,
                 load_timeout_s=self.config.load_timeout_s,
                 staging_bytes=self.config.staging_mib << 20,
-                report_stored=self.events_on,
+                report_blocks=self.events_on,
             )
 
     @property

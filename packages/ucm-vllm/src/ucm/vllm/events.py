@@ -12,8 +12,9 @@ A block is in the store only once every rank that writes it has written its shar
 rank its own shard; of a cache replicated on every rank, one rank each block), so the
 workers report the blocks they stored (:class:`StoredReport`) and the scheduler counts the
 reports (:class:`StoredBlocks`) until each block's writers are all in.  The event names the
-block the way vLLM's own events do (its block hashes, tokens and block size), so a router
-matches it against the prompts it sees.
+block the way vLLM's own events do (its block hashes, tokens and block size: made by
+:class:`StoredEvents` when the dump is planned), so a router matches it against the prompts
+it sees.
 
 A block a load finds corrupt is dropped from the store by the rank that read it: that rank
 reports it, and the scheduler announces its removal at once (no longer loadable as a whole).
@@ -28,9 +29,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ucm.vllm.transfers import DROPPED, Report
+from ucm.vllm.layout import ModelLayout
+from ucm.vllm.transfers import DROPPED, Item, Report
 
-from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as _external
 
 #: blocks waiting for their reports, at most, of dumps and of loads each (the oldest are
 #: forgotten: a dump that failed on a rank never reports, a load that went well neither)
@@ -127,6 +135,67 @@ class StoredBlocks:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+
+class StoredEvents:
+    """The scheduler's half of KV events (:mod:`ucm.vllm.events`): each full-attention block
+    planned for a dump, named as vLLM names it, released once every rank stored it; each
+    planned for a load, announced removed if a rank finds it corrupt."""
+
+    def __init__(self, layout: ModelLayout, hash_block_size: int, medium: str) -> None:
+        self.hash_block_size = hash_block_size
+        self.medium = medium
+        # the full-attention groups, each with the number of ranks that write a block
+        self.blocks = StoredBlocks(
+            {g.index: 1 if g.replicated else layout.world_size for g in layout.groups
+             if g.kind == "full"}
+        )  # fmt: skip
+
+    def _named(
+        self, request: Any, items: list[Item], tokens: int
+    ) -> list[tuple[Item, list[Any], Any]]:
+        """(item, vLLM's hashes of its block, the hash before them) of each full-attention
+        item that vLLM's hashes name."""
+        per, rest = divmod(tokens, self.hash_block_size)  # vLLM's hashes in one stored block
+        if rest or per < 1:
+            return []  # a stored block that ends inside one of vLLM's: no hashes name it
+        hashes = getattr(request, "block_hashes", ())
+        named = []
+        for it in items:
+            first = it.key * per
+            if it.group in self.blocks.writers and first + per <= len(hashes):
+                block = [_external(h) for h in hashes[first : first + per]]
+                named.append((it, block, _external(hashes[first - 1]) if first else None))
+        return named
+
+    def expect(self, request: Any, items: list[Item], tokens: int) -> None:
+        """Dumps planned: their ``BlockStored``, released once every writer reports."""
+        lora = getattr(request, "lora_request", None)
+        for it, block, parent in self._named(request, items, tokens):
+            self.blocks.expect(
+                (it.group, it.chain_key),
+                BlockStored(
+                    block_hashes=block,
+                    parent_block_hash=parent,
+                    token_ids=list(request.prompt_token_ids[it.key * tokens :][:tokens]),
+                    block_size=self.hash_block_size,
+                    lora_id=getattr(lora, "lora_int_id", None),
+                    medium=self.medium,
+                    lora_name=getattr(lora, "lora_name", None),
+                    group_idx=it.group,
+                    ownership="ucm",
+                ),
+            )
+
+    def loading(self, request: Any, items: list[Item], tokens: int) -> None:
+        """Loads planned: the ``BlockRemoved`` of each, should a rank find it corrupt."""
+        for it, block, _ in self._named(request, items, tokens):
+            self.blocks.removable(
+                (it.group, it.chain_key),
+                BlockRemoved(
+                    block_hashes=block, medium=self.medium, group_idx=it.group, ownership="ucm"
+                ),
+            )
 
 
 def medium_of(store: Any) -> str:

@@ -16,7 +16,7 @@ from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundarie
 from ucm.core.hybrid_store import plan_dump
 from ucm.core.keys import block_keys, placed_extras, scoped_keys
 from ucm.vllm.counters import Counters
-from ucm.vllm.events import StoredBlocks
+from ucm.vllm.events import StoredEvents
 from ucm.vllm.layout import ModelLayout, adapter_files, adapter_identity
 from ucm.vllm.metadata import UCMConnectorMetadata
 from ucm.vllm.stores import ConnectorStores
@@ -305,70 +305,3 @@ def _preempted(request: Any) -> bool:
     from vllm.v1.request import RequestStatus
 
     return bool(request.status == RequestStatus.PREEMPTED)
-
-
-class StoredEvents:
-    """The scheduler's half of KV events (:mod:`ucm.vllm.events`): each full-attention block
-    planned for a dump, named as vLLM names it, released once every rank stored it; each
-    planned for a load, announced removed if a rank finds it corrupt."""
-
-    def __init__(self, layout: ModelLayout, hash_block_size: int, medium: str) -> None:
-        self.hash_block_size = hash_block_size
-        self.medium = medium
-        self.groups = {g.index for g in layout.groups if g.kind == "full"}
-        self.blocks = StoredBlocks(
-            {g.index: 1 if g.replicated else layout.world_size for g in layout.groups
-             if g.index in self.groups}
-        )  # fmt: skip
-
-    def _named(
-        self, request: Any, items: list[Item], tokens: int
-    ) -> list[tuple[Item, list[Any], Any]]:
-        """(item, vLLM's hashes of its block, the hash before them) of each full-attention
-        item that vLLM's hashes name."""
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
-
-        per, rest = divmod(tokens, self.hash_block_size)  # vLLM's hashes in one stored block
-        if rest or per < 1:
-            return []  # a stored block that ends inside one of vLLM's: no hashes name it
-        hashes = getattr(request, "block_hashes", ())
-        named = []
-        for it in items:
-            first = it.key * per
-            if it.group in self.groups and first + per <= len(hashes):
-                block = [ext(h) for h in hashes[first : first + per]]
-                named.append((it, block, ext(hashes[first - 1]) if first else None))
-        return named
-
-    def expect(self, request: Any, items: list[Item], tokens: int) -> None:
-        """Dumps planned: their ``BlockStored``, released once every writer reports."""
-        from vllm.distributed.kv_events import BlockStored
-
-        lora = getattr(request, "lora_request", None)
-        for it, block, parent in self._named(request, items, tokens):
-            self.blocks.expect(
-                (it.group, it.chain_key),
-                BlockStored(
-                    block_hashes=block,
-                    parent_block_hash=parent,
-                    token_ids=list(request.prompt_token_ids[it.key * tokens :][:tokens]),
-                    block_size=self.hash_block_size,
-                    lora_id=getattr(lora, "lora_int_id", None),
-                    medium=self.medium,
-                    lora_name=getattr(lora, "lora_name", None),
-                    group_idx=it.group,
-                    ownership="ucm",
-                ),
-            )
-
-    def loading(self, request: Any, items: list[Item], tokens: int) -> None:
-        """Loads planned: the ``BlockRemoved`` of each, should a rank find it corrupt."""
-        from vllm.distributed.kv_events import BlockRemoved
-
-        for it, block, _ in self._named(request, items, tokens):
-            self.blocks.removable(
-                (it.group, it.chain_key),
-                BlockRemoved(
-                    block_hashes=block, medium=self.medium, group_idx=it.group, ownership="ucm"
-                ),
-            )

@@ -86,12 +86,12 @@ class WorkerSide:
         sync_loads: bool = False,
         load_timeout_s: float = 10.0,
         staging_bytes: int = 128 << 20,
-        report_stored: bool = False,
+        report_blocks: bool = False,
     ) -> None:
         self.layout = layout
         # KV events (ucm.vllm.events): the blocks this rank stored or dropped, reported
         # each step
-        self.report_stored = report_stored
+        self.report_blocks = report_blocks
         self._reports: list[Report] = []
         self._reports_lock = threading.Lock()
         self.stores = stores
@@ -316,7 +316,7 @@ class WorkerSide:
         for result, used in zip(results, use):
             if not used:
                 self.stats.add_cause("load_errors", _load_error_cause(result, usable))
-        if self.report_stored:  # a corrupt block is dropped from the store by its reader
+        if self.report_blocks:  # a corrupt block is dropped from the store by its reader
             self._report(
                 [(DROPPED, it.group, it.chain_key) for it, r in zip(items, results)
                  if r is not None and r.status is Status.CORRUPT]
@@ -377,7 +377,7 @@ class WorkerSide:
             self.rows.give(rows)
             return
         task.add_done_callback(lambda _task: self.rows.give(rows))
-        if self.report_stored:
+        if self.report_blocks:
             names = [(STORED, it.group, it.chain_key) for it in items]
             task.add_done_callback(
                 lambda done: self._report(
