@@ -311,6 +311,11 @@ def test_a_dump_in_flight_when_the_master_dies_settles(tmp_path):
         ("master", "localhost", "HOST:PORT"),
         ("master", "10.0.0.1:0", "HOST:PORT"),
         ("master", "10.0.0.1:99999", "HOST:PORT"),
+        ("master", "etcd://", "etcd://HOST:PORT"),
+        ("master", "etcd://10.0.0.1:2379;", "etcd://HOST:PORT"),
+        ("master", "etcd://10.0.0.1", "etcd://HOST:PORT"),
+        ("master", "http://10.0.0.1:2379", "HOST:PORT"),
+        ("cluster_id", "two words", "printable"),
         ("metadata_server", "zookeeper://x:1", "P2PHANDSHAKE"),
         ("protocol", "udp", "must be 'tcp'"),
         ("protocol", "rdma", "not supported yet"),
@@ -351,7 +356,14 @@ def test_valid_settings():
         }
     )
     assert isinstance(config, MooncakeStoreConfig)
-    assert config.master_host_port == ("fd00::1", 50051)
+    assert config.master_endpoints == [("fd00::1", 50051)]
+    assert not config.highly_available
+    ha = parse_store_config(
+        {"kind": "mooncake", "master": "etcd://10.0.0.1:2379;[fd00::2]:2379", "cluster_id": "c"}
+    )
+    assert ha.highly_available
+    assert ha.master_endpoints == [("10.0.0.1", 2379), ("fd00::2", 2379)]
+    assert ha.master_view_key == "mooncake-store/c/master_view"
     tiered = parse_store_config({"kind": "tiered", "backing": {"kind": "mooncake"}})
     assert isinstance(tiered.backing, MooncakeStoreConfig)
 
@@ -434,3 +446,110 @@ def _load(store, keys, data) -> bool:
     out = [np.zeros_like(d) for d in data]
     results = store.wait(store.load(keys, out), 60)
     return all(r.ok for r in results) and all(np.array_equal(a, b) for a, b in zip(out, data))
+
+
+# -- highly available masters: the leader killed -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ha_hosts(tmp_path_factory):
+    """Hosts e (etcd, running), m1, m2 (masters) and p (a segment server) as network
+    namespaces: (lab, etcd).  One etcd for the module: Mooncake's client reaches one etcd
+    per process."""
+    from ucm.lab.mooncake import Etcd
+    from ucm.lab.netlab import NetLab
+    from ucm.lab.pytest_plugin import require_etcd
+
+    require_namespaces()
+    require_etcd()
+    logs = tmp_path_factory.mktemp("ha")
+    with NetLab(["e", "m1", "m2", "p"]) as lab:
+        etcd = Etcd(str(logs / "etcd"), lab.address("e"), netns=lab.namespace("e"),
+                    log_path=str(logs / "etcd.log"))  # fmt: skip
+        with etcd:
+            yield lab, etcd
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("oplog", [False, True], ids=["cold-standby", "oplog"])
+def test_the_leader_killed_costs_nothing_and_dumps_land_on_the_new_one(ha_hosts, tmp_path, oplog):
+    """etcd, two masters and a segment server, each on a host of its own (network
+    namespaces); the store follows the leader through etcd.  The leader is killed: from the
+    first failed call on, dumps are dropped and lookups miss at once, until the standby
+    leads (etcd's lease, then the master's warm-up: about 10 s); then dumps land again.
+    Blocks registered with the old leader are misses, never errors, unless the masters
+    replicate their metadata (``--enable_oplog``): then those stored seconds before the
+    failover load as stored."""
+    from ucm.core.store.mooncake.store import MooncakeStore
+    from ucm.lab.mooncake import HaCluster
+
+    lab, etcd = ha_hosts
+    cluster = HaCluster(str(tmp_path), lab=lab, etcd=etcd, cluster_id=f"ucm-{oplog}",
+                        segment_mb=64, oplog=oplog)  # fmt: skip
+    with cluster:
+        config = MooncakeStoreConfig(
+            master=cluster.url, cluster_id=cluster.cluster_id, global_segment_gb=0,
+            timeout_s=2.0, key_prefix="ha/",
+        )  # fmt: skip
+        store = MooncakeStore(config)
+        try:
+            assert store.connected
+            keys = [key(i, b"ha") for i in range(4)]
+            data = [blob(i, 50_000) for i in range(4)]
+            assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+            # the standby replays the leader's log each second: what was stored in the
+            # last moment before a failover is lost even with the oplog
+            time.sleep(3)
+            old_leader = cluster.leader()
+            assert old_leader is not None
+            old_leader.kill()
+            killed = time.monotonic()
+            slowest, n, landed = 0.0, 0, None
+            while landed is None and time.monotonic() - killed < 60:
+                n += 1
+                k = key(1000 + n, b"ha")
+                start = time.monotonic()
+                done = store.wait(store.dump([k], [data[0]]), 10)[0]
+                found = store.lookup([k])[0]
+                slowest = max(slowest, time.monotonic() - start)
+                if done.ok and found:
+                    landed = time.monotonic() - killed
+                time.sleep(0.05)
+            new_leader = cluster.leader()
+            print(
+                f"first dump on the new leader {landed:.2f} s after the kill; {n} dumps "
+                f"tried, the slowest with its lookup {slowest * 1e3:.1f} ms; "
+                f"{store.errors} failed"
+            )
+            assert landed is not None and new_leader not in (None, old_leader)
+            assert store.master_failures == 1
+            # one call may wait for the dead leader (a lookup, timeout_s); none waits longer
+            assert slowest < config.timeout_s + NO_WAIT
+            # puts the promoted standby takes before the pool re-registers may fail (counted
+            # errors, dropped dumps); loads never fail: a block is there or a miss
+            failed_puts = store.errors
+            out = [np.zeros_like(d) for d in data]
+            results = store.wait(store.load(keys, out), 10)
+            if oplog:
+                assert all(r.ok for r in results), results
+                for got, want in zip(out, data):
+                    np.testing.assert_array_equal(got, want)
+            else:
+                assert [r.status for r in results] == [Status.MISS] * 4, results
+                assert store.lookup(keys) == [False] * 4
+            assert store.errors == failed_puts, f"{store.errors - failed_puts} loads failed"
+        finally:
+            store.close()
+
+
+def test_one_process_follows_one_etcd(monkeypatch):
+    """Mooncake's client keeps one etcd connection per process: a store naming another
+    etcd is refused at once, naming the one in use."""
+    from ucm.core.store.mooncake import link
+
+    monkeypatch.setattr(link, "_process_etcd", "etcd://10.0.0.1:2379")
+    other = MooncakeStoreConfig(master="etcd://10.0.0.2:2379")
+    with pytest.raises(
+        ConfigError, match=re.escape("already follows the masters of etcd://10.0.0.1:2379")
+    ):
+        link.MasterLink(other, lambda: None)

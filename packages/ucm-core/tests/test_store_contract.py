@@ -3,6 +3,7 @@ memory, and one process's memory), tiered, mooncake, and tiered stores over moon
 the stores that sign their blocks with a secret."""
 
 import threading
+import time
 
 import attrs
 import numpy as np
@@ -218,5 +219,33 @@ def test_a_block_larger_than_the_store_is_refused_at_start_up(kind, tmp_path, re
         assert str(2 << 20) in str(caught.value) or str((2 << 20) + HEADER_BYTES) in str(
             caught.value
         )
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["posix", "posix-signed", "dram", "dram-signed", "dram-process"])
+def test_the_watched_blocks_a_store_evicts_are_reported(kind, tmp_path, request):
+    """What an engine announces as removed to a router: the stores that evict in the
+    caller's process hand back the tags of the watched blocks their passes evicted, and
+    only those (a signed store files blocks under keyed names: the tags still come back)."""
+    config = attrs.evolve(store_config(kind, tmp_path, request), capacity_gb=2 / 1024)
+    store = create_store(config)
+    try:
+        size, n = 64 << 10, 80  # 5 MiB through a store of 2 MiB
+        keys = [key(i, b"evict") for i in range(n)]
+        watched = set(range(0, n, 2))
+        for i in range(n):
+            if i in watched:
+                store.watch_evictions([keys[i]], [("block", i)])
+            assert store.wait(store.dump([keys[i]], [blob(i, size)]))[0].ok, i
+        settled, seen = time.monotonic() + 10, -1
+        while seen != store.evicted_blocks and time.monotonic() < settled:
+            seen = store.evicted_blocks  # a background pass may still run: let it end
+            time.sleep(0.3)
+        reported = store.take_evicted()
+        gone = {i for i, present in enumerate(store.lookup(keys)) if not present}
+        assert len(gone) >= n // 2
+        assert sorted(reported) == sorted(("block", i) for i in gone & watched)
+        assert store.take_evicted() == []
     finally:
         store.close()

@@ -8,12 +8,14 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from ucm.vllm.events import StoredBlocks, StoredReport, medium_of  # noqa: E402
+from ucm.vllm.reports import RankReports, dropped_name  # noqa: E402
 from ucm.vllm.transfers import DROPPED, STORED  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
@@ -25,13 +27,17 @@ def stored(i: int) -> BlockStored:
     )  # fmt: skip
 
 
+def removed(i: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[i], medium="STORAGE", ownership="ucm")
+
+
 def test_a_block_is_announced_once_every_rank_that_writes_it_stored_it():
     # group 0: each of two ranks writes its own shard; group 1 (MLA): one rank a block
     blocks = StoredBlocks({0: 2, 1: 1})
-    blocks.expect((0, b"a"), stored(1))
-    blocks.expect((0, b"a"), stored(99))  # planned twice: announced once
-    blocks.expect((1, b"a"), stored(2))
-    blocks.expect((2, b"a"), stored(3))  # a group without events (window tails)
+    blocks.expect((0, b"a"), stored(1), removed(1))
+    blocks.expect((0, b"a"), stored(99), removed(99))  # planned twice: announced once
+    blocks.expect((1, b"a"), stored(2), removed(2))
+    blocks.expect((2, b"a"), stored(3), removed(3))  # a group without events (window tails)
     blocks.report([(STORED, 0, b"a"), (STORED, 1, b"a")])
     assert blocks.take() == [stored(2)]
     blocks.report([(STORED, 0, b"b")])  # never planned (a dump of before a restart)
@@ -42,14 +48,41 @@ def test_a_block_is_announced_once_every_rank_that_writes_it_stored_it():
     assert blocks.take() == [] and blocks.pending == 0
 
 
+def test_a_stored_block_later_evicted_is_announced_removed():
+    blocks = StoredBlocks({0: 2})
+    blocks.expect((0, b"a"), stored(1), removed(1))
+    blocks.report([(DROPPED, 0, b"a")])  # not yet announced stored: nothing to take back
+    assert blocks.take() == []
+    blocks.report([(STORED, 0, b"a")] * 2)
+    assert blocks.take() == [stored(1)]
+    blocks.report([(DROPPED, 0, b"a")])  # one rank's store evicted its shard
+    assert blocks.take() == [removed(1)]
+
+
+def test_an_eviction_during_the_blocks_own_dump_follows_its_stored_report():
+    # a dump larger than the store's room evicts the oldest blocks of its own batch
+    reports = RankReports()
+    a, b, c = (dropped_name(0, k) for k in (b"a", b"b", b"c"))
+    reports.dumping([a, b])
+    reports.dropped([a])  # evicted while the batch is written
+    assert reports.take() == []
+    reports.dumped([a, b], [True, True])
+    assert reports.take() == [(STORED, 0, b"a"), a, (STORED, 0, b"b")]
+    reports.dropped([b])  # evicted later
+    assert reports.take() == [b]
+    reports.dumping([c])
+    reports.dropped([c])
+    reports.dumped([c], [False])  # never stored: nothing to take back
+    assert reports.take() == []
+
+
 def test_a_block_one_rank_found_corrupt_is_announced_removed_once():
     blocks = StoredBlocks({0: 2})
-    removed = BlockRemoved(block_hashes=[7], medium="STORAGE", ownership="ucm")
-    blocks.removable((0, b"a"), removed)  # a load of it is planned
+    blocks.removable((0, b"a"), removed(7))  # a load of it is planned
     blocks.report([(DROPPED, 0, b"b")])  # never loaded here: nothing names it
     assert blocks.take() == []
     blocks.report([(DROPPED, 0, b"a"), (DROPPED, 0, b"a")])  # both ranks found it bad
-    assert blocks.take() == [removed]
+    assert blocks.take() == [removed(7)]
     blocks.report([(DROPPED, 0, b"a")])
     assert blocks.take() == []
 
@@ -57,7 +90,7 @@ def test_a_block_one_rank_found_corrupt_is_announced_removed_once():
 def test_blocks_whose_reports_never_come_are_forgotten_oldest_first():
     blocks = StoredBlocks({0: 2}, limit=3)
     for i in range(5):
-        blocks.expect((0, bytes([i])), stored(i))
+        blocks.expect((0, bytes([i])), stored(i), removed(i))
     assert blocks.pending == 3
     blocks.report([(STORED, 0, bytes([0]))] * 2 + [(STORED, 0, bytes([4]))] * 2)
     assert blocks.take() == [stored(4)]
@@ -128,14 +161,14 @@ class Subscriber:
                 continue
             self.events += self.decoder.decode(payload).events
 
-    def ucm(self, kind: type | None = None) -> list:
+    def ucm(self, kind: Any = None) -> list:
         kind = kind or BlockStored
         return [
             e for e in self.events
             if getattr(e, "ownership", None) == "ucm" and isinstance(e, kind)
         ]  # fmt: skip
 
-    def wait_for(self, count: int, kind: type | None = None, timeout: float = 30) -> list:
+    def wait_for(self, count: int, kind: Any = None, timeout: float = 30) -> list:
         deadline = time.monotonic() + timeout
         while len(self.ucm(kind)) < count and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -153,8 +186,11 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
     from ucm.lab.testing.vllm.models import make_word_tokenizer
     from ucm.lab.testing.vllm.serve import Server, complete
 
-    # 1100-token prompts sharing 1000: four 256-token blocks each, the first three shared
+    # 1100-token prompts sharing 1000: four 256-token blocks each, the first three shared;
+    # then one of eight blocks of its own, through a store that holds six
     prompts = shared_prefix_prompts(2, prefix=1000, tail=100, seed=8)
+    longer = shared_prefix_prompts(1, prefix=2048, tail=52, seed=9)[0]
+    block_file = 4096 + 2 * 2 * 256 * 2 * 64 * 2  # header; 2 layers of K and V, bf16
     subscriber = Subscriber()
     config = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://127.0.0.1:{subscriber.port}"}  # fmt: skip
@@ -162,7 +198,11 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
         tiny_model,
         str(make_word_tokenizer(tmp_path / "tokenizer")),
         tmp_path / "serve.log",
-        store={"kind": "posix", "path": str(tmp_path / "store")},
+        store={
+            "kind": "posix",
+            "path": str(tmp_path / "store"),
+            "capacity_gb": 6.5 * block_file / (1 << 30),
+        },  # fmt: skip
         args=["--kv-events-config", json.dumps(config)],
         env={"VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
     ).wait_ready()
@@ -185,6 +225,12 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
         complete(client, prompts[0], max_tokens=2)
         removed = subscriber.wait_for(4, BlockRemoved)
         again = subscriber.wait_for(9)
+        # eight new blocks in a store of six: this engine's dumps evict, and say so
+        complete(client, longer, max_tokens=2)
+        subscriber.wait_for(17)
+        subscriber.wait_for(4 + 7, BlockRemoved)
+        time.sleep(2)
+        left = [b for b in (tmp_path / "store" / "blocks").rglob("*") if b.is_file()]
     finally:
         server.stop()
         subscriber.close()
@@ -211,3 +257,15 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
     assert sorted(e.block_hashes for e in removed) == sorted(e.block_hashes for e in chain)
     assert len(again) == 9
     assert sorted(e.block_hashes for e in again[5:]) == sorted(e.block_hashes for e in chain)
+    # A router that adds what is stored and takes away what is removed holds what the
+    # store holds: evicted blocks were announced removed, and only those.
+    view: set[tuple[int, ...]] = set()
+    for event in subscriber.ucm(BlockStored | BlockRemoved):
+        if isinstance(event, BlockStored):
+            view.add(tuple(event.block_hashes))
+        else:
+            assert tuple(event.block_hashes) in view  # only what was announced stored
+            view.remove(tuple(event.block_hashes))
+    evicted = len(subscriber.ucm(BlockRemoved)) - 4
+    print(f"{len(subscriber.ucm())} stored, {evicted} evicted, {len(left)} left in the store")
+    assert evicted >= 7 and len(view) == len(left) <= 6

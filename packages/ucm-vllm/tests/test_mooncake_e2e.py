@@ -33,8 +33,8 @@ ENGINE_BLOCK = 32
 X = shared_prefix_prompts(3, prefix=1000, tail=100, seed=1)  # stored by A
 Y = shared_prefix_prompts(3, prefix=600, tail=80, seed=2)  # never stored
 Z = shared_prefix_prompts(1, prefix=800, tail=60, seed=3)  # stored after the restart
-# B: hits, then the master dies (requests 2-7), then it is back (8-10)
-B_PROMPTS = [X[0], X[1], X[2], X[0], Y[0], Y[1], Y[2], X[1], Z[0], Z[0], Z[0]]
+# B: hits, then the master dies (requests 2-7), then it is back (8-11): X[0] is lost
+B_PROMPTS = [X[0], X[1], X[2], X[0], Y[0], Y[1], Y[2], X[1], Z[0], Z[0], Z[0], X[0]]
 KILLED_AT, RESTARTED_AT = 2, 8
 
 
@@ -108,9 +108,59 @@ def test_a_killed_master_costs_b_nothing_and_a_new_one_is_used(
     print("added seconds per request with the master dead:", [round(a, 4) for a in added])
     assert max(added) < 2.0, added  # not one waited on the master
     # The new master: Z's blocks are stored by its first request and hit by a repeat.
-    assert any(o["num_cached_tokens"] >= 768 for o in outs[RESTARTED_AT + 1 :]), [
+    assert any(o["num_cached_tokens"] >= 768 for o in outs[RESTARTED_AT + 1 : -1]), [
         o["num_cached_tokens"] for o in outs[RESTARTED_AT:]
     ]
+    assert outs[-1]["num_cached_tokens"] == 0  # X: stored with the old master, lost
+    assert run["metrics"].get("vllm:ucm_load_errors", 0) == 0
+
+
+def test_the_leader_killed_while_b_serves_costs_nothing_and_the_new_one_is_used(
+    mooncake_ha_hosts, tiny_model, reference, tmp_path
+):
+    """Highly available masters (etcd on e, masters on m1 and m2, the pool on p): B stores
+    and hits through the leader, the leader is killed, B serves on; once the standby leads,
+    B's new dumps land on it and hit.  Every output equals vLLM alone."""
+    lab, cluster = mooncake_ha_hosts
+    spec = {
+        "model": tiny_model, "prompts": B_PROMPTS,
+        "store": mooncake_store(cluster, timeout_s=4.0),
+        "fresh_prefix_cache": True, "pause_after": [KILLED_AT, RESTARTED_AT],
+        "pause_dir": str(tmp_path),
+    }  # fmt: skip
+    engine = start_engine(spec, prefix=lab.command("b", []))
+    try:
+        _wait_for(tmp_path / "paused-0", engine)
+        old_leader = cluster.leader()
+        old_leader.kill()
+        killed = time.monotonic()
+        (tmp_path / "resume-0").touch()
+        _wait_for(tmp_path / "paused-1", engine)
+        new_leader = cluster.wait_serving(60)
+        serving = time.monotonic() - killed
+        time.sleep(2)  # B's probes (every 0.5 s) find it
+        (tmp_path / "resume-1").touch()
+        run = finish_engine(engine)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+    print(f"the standby served {serving:.1f} s after the leader was killed")
+    assert new_leader is not old_leader
+    assert_same_outputs(reference, run)  # every request, before, during and after
+    outs = run["outputs"]
+    assert outs[1]["num_cached_tokens"] >= 768  # X's shared prefix, through the old leader
+    if sum(o["seconds"] for o in outs[KILLED_AT:RESTARTED_AT]) < 8:  # all before a new leader
+        assert all(o["num_cached_tokens"] == 0 for o in outs[KILLED_AT:RESTARTED_AT])
+    after_first = range(KILLED_AT + 1, RESTARTED_AT)
+    added = sorted(outs[i]["seconds"] - reference["outputs"][i]["seconds"] for i in after_first)
+    print("added seconds per request after the first failure:", [round(a, 4) for a in added])
+    assert added[-1] < 2.0, added  # not one waited on the dead leader (timeout_s is 4)
+    # New dumps land on the new leader: Z's blocks, stored by its first request, hit.
+    assert all(o["num_cached_tokens"] >= 768 for o in outs[RESTARTED_AT + 1 : -1]), [
+        o["num_cached_tokens"] for o in outs[RESTARTED_AT:]
+    ]
+    assert outs[-1]["num_cached_tokens"] == 0  # X: registered with the old leader, lost
+    assert run["metrics"].get("vllm:ucm_load_errors", 0) == 0
 
 
 def _only(run: dict, indices: list[int]) -> dict:

@@ -67,7 +67,7 @@ class Daemon(abc.ABC):
             env=self.env,
         )
         deadline = time.monotonic() + timeout
-        while not self._accepts():
+        while not self._ready():
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"{command[0]} exited with {self.proc.returncode} (log: {self.log_path})"
@@ -77,6 +77,10 @@ class Daemon(abc.ABC):
                 raise TimeoutError(f"{command[0]} did not listen on {self.address}")
             time.sleep(0.05)
         return self
+
+    def _ready(self) -> bool:
+        """Whether the daemon has started (by default: it accepts connections)."""
+        return self._accepts()
 
     def _accepts(self) -> bool:
         if self.netns is not None:

@@ -37,6 +37,7 @@ FIXTURE_MARKERS = {
     "mooncake_master": ("mooncake",),
     "mooncake_pool": ("mooncake",),
     "mooncake_hosts": ("mooncake", "root"),
+    "mooncake_ha_hosts": ("mooncake", "root"),
     "tmpfs": ("root",),
 }
 
@@ -92,6 +93,19 @@ def require_namespaces() -> None:
         pytest.skip(f"cannot make hosts as network namespaces: {reason}")
 
 
+def require_etcd() -> None:
+    """Skip the calling test where etcd is missing (highly available masters elect their
+    leader through it), or fail it under ``UCM_REQUIRE_MOONCAKE=1``."""
+    from ucm.lab.mooncake import etcd_binary
+
+    try:
+        etcd_binary()
+    except FileNotFoundError as exc:
+        if os.environ.get("UCM_REQUIRE_MOONCAKE") == "1":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A ``mooncake_master`` on loopback for the session's tests (each names its keys with
@@ -140,3 +154,18 @@ def mooncake_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[A
         finally:
             segment.stop()
             master.stop()
+
+
+@pytest.fixture(scope="module")
+def mooncake_ha_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """Highly available Mooncake on hosts as network namespaces: etcd on e, masters on m1
+    and m2 (m1 leads), a segment server on p, and host b for an engine: (lab, HaCluster)."""
+    require_mooncake("mooncake_master", "mooncake_client")
+    require_namespaces()
+    require_etcd()
+    from ucm.lab.mooncake import HaCluster
+    from ucm.lab.netlab import NetLab
+
+    logs = tmp_path_factory.mktemp("mooncake_ha_hosts")
+    with NetLab(["e", "m1", "m2", "p", "b"]) as lab, HaCluster(str(logs), lab=lab) as cluster:
+        yield lab, cluster

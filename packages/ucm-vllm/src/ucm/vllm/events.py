@@ -16,11 +16,14 @@ block the way vLLM's own events do (its block hashes, tokens and block size: mad
 :class:`StoredEvents` when the dump is planned), so a router matches it against the prompts
 it sees.
 
-A block a load finds corrupt is dropped from the store by the rank that read it: that rank
-reports it, and the scheduler announces its removal at once (no longer loadable as a whole).
+A block leaves the store when a load finds it corrupt (the rank that read it drops it) or
+when this engine's own dumps evict it to make room (the store tells the rank that watched
+it: ``Store.watch_evictions``).  That rank reports it dropped, and the scheduler announces
+its removal at once: the block is no longer loadable as a whole.
 
-What a router cannot learn from these: blocks evicted from the store, or stored by other
-engines of a shared store, are not announced by this engine (docs: vllm.md, KV events).
+What a router cannot learn from these: blocks evicted by other engines of a shared store
+or by a remote pool itself (Mooncake's master), and blocks other engines stored, are not
+announced by this engine (docs: vllm.md, KV events).
 """
 
 from __future__ import annotations
@@ -86,21 +89,22 @@ class StoredBlocks:
     once as many ranks as write it (``writers[group]``) reported it stored, its
     ``BlockRemoved`` as soon as one rank reports it dropped.
 
-    ``expect`` is called when a dump is planned, with the event to publish, ``removable``
-    when a load is planned; a block reported without being expected (planned before a
-    restart, or forgotten) is ignored."""
+    ``expect`` is called when a dump is planned, with the events to publish once it is
+    stored and once it is gone; ``removable`` when a load is planned; a block reported
+    without being expected (planned before a restart, or forgotten) is ignored."""
 
     def __init__(self, writers: Mapping[int, int], limit: int = PENDING_LIMIT) -> None:
         self.writers = dict(writers)
         self.limit = limit
-        self._pending: OrderedDict[BlockName, list[Any]] = OrderedDict()  # [event, reports]
+        # [stored event, removed event, reports]
+        self._pending: OrderedDict[BlockName, list[Any]] = OrderedDict()
         self._removable: OrderedDict[BlockName, KVCacheEvent] = OrderedDict()
         self._ready: list[KVCacheEvent] = []
 
-    def expect(self, name: BlockName, event: KVCacheEvent) -> None:
+    def expect(self, name: BlockName, stored: KVCacheEvent, removed: KVCacheEvent) -> None:
         if name[0] not in self.writers or name in self._pending:
             return  # a group not announced, or a block planned twice: one event
-        self._pending[name] = [event, 0]
+        self._pending[name] = [stored, removed, 0]
         while len(self._pending) > self.limit:
             self._pending.popitem(last=False)
 
@@ -123,10 +127,11 @@ class StoredBlocks:
             entry = self._pending.get(name)
             if entry is None:
                 continue
-            entry[1] += 1
-            if entry[1] >= self.writers[name[0]]:
+            entry[2] += 1
+            if entry[2] >= self.writers[name[0]]:
                 del self._pending[name]
                 self._ready.append(entry[0])
+                self.removable(name, entry[1])  # announced: its eviction is announced too
 
     def take(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []
@@ -169,7 +174,8 @@ class StoredEvents:
         return named
 
     def expect(self, request: Any, items: list[Item], tokens: int) -> None:
-        """Dumps planned: their ``BlockStored``, released once every writer reports."""
+        """Dumps planned: their ``BlockStored``, released once every writer reports (and
+        their ``BlockRemoved``, should one be evicted or dropped after that)."""
         lora = getattr(request, "lora_request", None)
         for it, block, parent in self._named(request, items, tokens):
             self.blocks.expect(
@@ -185,17 +191,18 @@ class StoredEvents:
                     group_idx=it.group,
                     ownership="ucm",
                 ),
+                self._removed(it, block),
             )
+
+    def _removed(self, item: Item, block: list[Any]) -> BlockRemoved:
+        return BlockRemoved(
+            block_hashes=block, medium=self.medium, group_idx=item.group, ownership="ucm"
+        )
 
     def loading(self, request: Any, items: list[Item], tokens: int) -> None:
         """Loads planned: the ``BlockRemoved`` of each, should a rank find it corrupt."""
         for it, block, _ in self._named(request, items, tokens):
-            self.blocks.removable(
-                (it.group, it.chain_key),
-                BlockRemoved(
-                    block_hashes=block, medium=self.medium, group_idx=it.group, ownership="ucm"
-                ),
-            )
+            self.blocks.removable((it.group, it.chain_key), self._removed(it, block))
 
 
 def medium_of(store: Any) -> str:

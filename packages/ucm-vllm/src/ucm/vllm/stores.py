@@ -50,6 +50,10 @@ class ConnectorStores:
         """Refuse at start-up a store that cannot hold one of ``group``'s blocks."""
         self.of(group).check_block_bytes(nbytes)
 
+    def take_evicted(self) -> list[object]:
+        """The tags of the watched blocks the stores evicted (``Store.watch_evictions``)."""
+        return self.full.take_evicted() + (self.window.take_evicted() if self.window else [])
+
     @property
     def evicted_blocks(self) -> int:
         return self.full.evicted_blocks + (self.window.evicted_blocks if self.window else 0)

@@ -30,7 +30,6 @@ torch tensors, so its data path runs wherever torch does (a GPU machine without 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
@@ -45,8 +44,9 @@ from ucm.kernels import BlockSegments, HostStager, block_segments, payload_nbyte
 from ucm.kernels.transfer import RowPool, deferred_payloads, row_buffers, verified_prefix
 from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
+from ucm.vllm.reports import RankReports, dropped_name
 from ucm.vllm.stores import ConnectorStores
-from ucm.vllm.transfers import DROPPED, NULL_BLOCK, STORED, Item, Report, StepPlan, Transfer
+from ucm.vllm.transfers import NULL_BLOCK, Item, Report, StepPlan, Transfer
 
 log = logging.getLogger(__name__)
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
@@ -92,8 +92,7 @@ class WorkerSide:
         # KV events (ucm.vllm.events): the blocks this rank stored or dropped, reported
         # each step
         self.report_blocks = report_blocks
-        self._reports: list[Report] = []
-        self._reports_lock = threading.Lock()
+        self.reports = RankReports()
         self.stores = stores
         self.single_group = num_groups == 1
         self.sync_loads = sync_loads
@@ -317,8 +316,8 @@ class WorkerSide:
             if not used:
                 self.stats.add_cause("load_errors", _load_error_cause(result, usable))
         if self.report_blocks:  # a corrupt block is dropped from the store by its reader
-            self._report(
-                [(DROPPED, it.group, it.chain_key) for it, r in zip(items, results)
+            self.reports.dropped(
+                [dropped_name(it.group, it.chain_key) for it, r in zip(items, results)
                  if r is not None and r.status is Status.CORRUPT]
             )  # fmt: skip
         return all_ok
@@ -369,33 +368,37 @@ class WorkerSide:
         self.stager.dump(
             self.caches[group], [it.block_ids for it in items], rows, null_block_id=NULL_BLOCK
         ).wait()
+        keys = self._keys(items)
+        names = [dropped_name(it.group, it.chain_key) for it in items]
+        if self.report_blocks and self._full(items[0]):  # window tails are not announced
+            # watched from before the dump: a batch larger than the room evicts its own
+            self.reports.dumping(names)
+            store.watch_evictions(keys, names)
         try:
-            task = store.dump(self._keys(items), row_buffers(rows), LAYOUT_TAG)
+            task = store.dump(keys, row_buffers(rows), LAYOUT_TAG)
         except Exception as exc:  # noqa: BLE001 - a failing store never stops serving
             log.warning("ucm: dump for request %s failed: %s", req_id, exc)
             self.stats.add_cause("dump_errors", "unavailable", len(items))
             self.rows.give(rows)
+            if self.report_blocks and self._full(items[0]):
+                self.reports.dumped(names, [False] * len(names))
             return
         task.add_done_callback(lambda _task: self.rows.give(rows))
-        if self.report_blocks:
-            names = [(STORED, it.group, it.chain_key) for it in items]
+        if self.report_blocks and self._full(items[0]):
             task.add_done_callback(
-                lambda done: self._report(
-                    [n for n, r in zip(names, done.partial()) if r is not None and r.ok]
+                lambda done: self.reports.dumped(
+                    names, [r is not None and r.ok for r in done.partial()]
                 )
             )
         self.tracker.submit(req_id, task)
         self.stats.add(dumped_bytes=sum(r.numel() for r in rows))
 
-    def _report(self, reports: list[Report]) -> None:
-        with self._reports_lock:
-            self._reports += reports
-
     def take_reports(self) -> list[Report]:
-        """What this rank stored or dropped since the last call."""
-        with self._reports_lock:
-            reports, self._reports = self._reports, []
-        return reports
+        """What this rank stored or dropped (found corrupt, or evicted) since the last
+        call."""
+        if self.stores is not None:
+            self.reports.dropped(self.stores.take_evicted())  # type: ignore[arg-type]
+        return self.reports.take()
 
     # -- completion --
 

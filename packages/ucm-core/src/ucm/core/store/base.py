@@ -76,6 +76,16 @@ class Store(abc.ABC):
         evictions are its own; evictions a remote store makes itself are not seen)."""
         return 0
 
+    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:  # noqa: B027
+        """Should this store object evict one of ``keys`` to make room, hand its tag to
+        :meth:`take_evicted` (the most recent watched only: see ``ucm.core.store.evictions``).
+        Stores that do not evict themselves (a remote pool evicts in its own processes)
+        report nothing."""
+
+    def take_evicted(self) -> list[object]:
+        """The tags of the watched blocks evicted since the last call."""
+        return []
+
     @abc.abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored (a hint: a later load may still miss)."""

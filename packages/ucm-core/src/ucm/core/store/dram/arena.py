@@ -53,7 +53,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -200,6 +200,8 @@ class Arena:
         self._thread_lock = threading.Lock()
         self._closed = False
         self.evicted_here = 0  # blocks this process's passes evicted
+        #: told the names (key0, key1 columns) of the blocks this process's passes evict
+        self.on_evicted: Callable[[np.ndarray, np.ndarray], None] | None = None
         self._meta = mmap.mmap(fd, geometry.meta_bytes, mmap.MAP_SHARED)
         self._dmap: mmap.mmap | None = None
         self.data: memoryview | None = None
@@ -478,6 +480,8 @@ class Arena:
         self._seq_end()
         self._sb[SB_EVICTED] += was_ready.size
         self.evicted_here += int(was_ready.size)
+        if self.on_evicted is not None and was_ready.size:
+            self.on_evicted(npc["key0"][was_ready], npc["key1"][was_ready])
         self._maybe_rebuild()
         return int(was_ready.size)
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.config import DramStoreConfig
+from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
 from ucm.core.store.task import MISS, OK, KeyResult, Status, Task
 
@@ -89,6 +90,7 @@ class DramStore(Store):
         self._blocks: OrderedDict[bytes, tuple[bytes, memoryview]] = OrderedDict()
         self._bytes = 0
         self._evicted = 0
+        self._watch = EvictionWatch()
         # Copies happen under the lock, so eviction never frees a block being read.
         self._lock = threading.Lock()
 
@@ -104,11 +106,19 @@ class DramStore(Store):
     def evicted_blocks(self) -> int:
         return self._evicted
 
+    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:
+        self._watch.watch((bytes(k) for k in keys), tags)
+
+    def take_evicted(self) -> list[object]:
+        return self._watch.take()
+
     def _evict_one(self) -> None:
-        _, (_, old) = self._blocks.popitem(last=False)
+        key, (_, old) = self._blocks.popitem(last=False)
         self._bytes -= old.nbytes
         self._evicted += 1
         self._arena.release(old)
+        if self._watch:
+            self._watch.evicted([key])
 
     def _put(self, key: bytes, payload: Payload, layout: bytes) -> KeyResult:
         size = payload.nbytes

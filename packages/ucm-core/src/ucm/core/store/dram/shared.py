@@ -41,6 +41,7 @@ from ucm.core.store.dram.arena import (
     Pinned,
 )
 from ucm.core.store.dram.config import DramStoreConfig
+from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder, nearest_existing
 from ucm.core.store.payload import Payload
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
@@ -73,6 +74,7 @@ class SharedMemoryStore(Store):
         self._arena_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="ucm-shm")
         self._closed = False
+        self._watch = EvictionWatch()
 
     @property
     def reads_from_memory(self) -> bool:
@@ -93,8 +95,23 @@ class SharedMemoryStore(Store):
             return arena
         with self._arena_lock:
             if self._arena is None and not self._closed:
-                self._arena = Arena.attach(self.root, self._capacity, data=False)
+                self._arena = self._adopt(Arena.attach(self.root, self._capacity, data=False))
             return self._arena
+
+    def _adopt(self, arena: Arena | None) -> Arena | None:
+        if arena is not None:
+            arena.on_evicted = self._evicted
+        return arena
+
+    def _evicted(self, key0: np.ndarray, key1: np.ndarray) -> None:
+        if self._watch:
+            self._watch.evicted(zip(key0.tolist(), key1.tolist()))
+
+    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:
+        self._watch.watch(self._words(keys), tags)
+
+    def take_evicted(self) -> list[object]:
+        return self._watch.take()
 
     def _arena_for(self, nbytes: int) -> Arena:
         """The arena, made for blocks of ``nbytes`` if there is none yet; ``ConfigError``
@@ -110,7 +127,7 @@ class SharedMemoryStore(Store):
             if self._arena is None:
                 geometry = Geometry.for_blocks(nbytes, self._capacity)
                 try:
-                    self._arena = Arena.open(self.root, geometry)
+                    self._arena = self._adopt(Arena.open(self.root, geometry))
                 except (ArenaMismatch, PermissionError) as exc:
                     raise ConfigError("store.path", str(exc)) from None
                 except OSError as exc:  # no room left in the memory filesystem

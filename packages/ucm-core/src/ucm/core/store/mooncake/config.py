@@ -27,12 +27,32 @@ if TYPE_CHECKING:
     from ucm.core.store.base import Store
 
 
-def _host_port(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, str) or not _parse_host_port(value):
-        raise ConfigError(attribute.name, f"must be HOST:PORT (port 1-65535), got {value!r}")
+#: What a master setting of highly available masters starts with.
+ETCD_SCHEME = "etcd://"
 
 
-def _parse_host_port(value: str) -> tuple[str, int] | None:
+def _master(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, str) and _parse_master(value):
+        return
+    raise ConfigError(
+        attribute.name,
+        "must be HOST:PORT (one master), or etcd://HOST:PORT[;HOST:PORT...] (the etcd "
+        f"endpoints of highly available masters), ports 1-65535; got {value!r}",
+    )
+
+
+def _parse_master(value: str) -> list[tuple[str, int]] | None:
+    """The master's address, or etcd's endpoints for ``etcd://``; None if malformed."""
+    if not value.startswith(ETCD_SCHEME):
+        one = parse_host_port(value)
+        return None if one is None else [one]
+    endpoints = [parse_host_port(e) for e in value[len(ETCD_SCHEME) :].split(";")]
+    if not endpoints or None in endpoints:
+        return None
+    return endpoints  # type: ignore[return-value]
+
+
+def parse_host_port(value: str) -> tuple[str, int] | None:
     host, sep, port = value.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -42,7 +62,9 @@ def _parse_host_port(value: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-_host_port.allowed = "`HOST:PORT` (an IPv6 host in brackets)"  # type: ignore[attr-defined]
+_master.allowed = (  # type: ignore[attr-defined]
+    "`HOST:PORT` (an IPv6 host in brackets), or `etcd://HOST:PORT[;HOST:PORT...]`"
+)
 
 
 def _metadata_server(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -105,9 +127,17 @@ class MooncakeStoreConfig:
 
     kind: str = setting("Store kind.", default="mooncake", validator=one_of("mooncake"))
     master: str = setting(
-        "The master's RPC address, HOST:PORT (mooncake_master --rpc_port).",
+        "The master's RPC address, HOST:PORT (mooncake_master --rpc_port); or, for highly "
+        "available masters (mooncake_master --enable_ha), etcd://HOST:PORT[;HOST:PORT...]: "
+        "the etcd endpoints they elect their leader through (the client follows the leader).",
         default="127.0.0.1:50051",
-        validator=_host_port,
+        validator=_master,
+    )
+    cluster_id: str = setting(
+        "The highly available masters' cluster (mooncake_master --cluster_id): which leader "
+        "an etcd:// master setting follows.  Unused with a HOST:PORT master.",
+        default="mooncake_cluster",
+        validator=_key_prefix,
     )
     metadata_server: str = setting(
         "Where transfer endpoints are published: 'P2PHANDSHAKE' (none: peers exchange them "
@@ -195,10 +225,21 @@ class MooncakeStoreConfig:
         return min(8, max(1, len(os.sched_getaffinity(0)) // 2))
 
     @property
-    def master_host_port(self) -> tuple[str, int]:
-        parsed = _parse_host_port(self.master)
+    def highly_available(self) -> bool:
+        """Whether ``master`` names etcd's endpoints rather than one master."""
+        return self.master.startswith(ETCD_SCHEME)
+
+    @property
+    def master_endpoints(self) -> list[tuple[str, int]]:
+        """The master's (host, port), or etcd's endpoints when ``highly_available``."""
+        parsed = _parse_master(self.master)
         assert parsed is not None  # validated
         return parsed
+
+    @property
+    def master_view_key(self) -> str:
+        """etcd's key holding the leader's HOST:PORT (Mooncake's ``MasterViewHelper``)."""
+        return f"mooncake-store/{self.cluster_id}/master_view"
 
     @property
     def global_segment_bytes(self) -> int:

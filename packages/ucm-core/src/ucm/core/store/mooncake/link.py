@@ -13,15 +13,39 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ucm.core.settings import ConfigError
 from ucm.core.store.mooncake.config import MooncakeStoreConfig
+from ucm.core.store.mooncake.leader import master_address
 
 log = logging.getLogger(__name__)
+
+#: Held while a client is set up, for the environment it reads.
+_environment_lock = threading.Lock()
+#: The etcd endpoints this process's clients follow a leader through: Mooncake's client
+#: keeps one etcd connection per process, and refuses (retrying for seconds) another.
+_process_etcd: str | None = None
+
+
+def _claim_etcd(config: MooncakeStoreConfig) -> None:
+    global _process_etcd
+    if not config.highly_available:
+        return
+    with _environment_lock:
+        if _process_etcd is None:
+            _process_etcd = config.master
+        elif _process_etcd != config.master:
+            raise ConfigError(
+                "master",
+                f"this process already follows the masters of {_process_etcd}; Mooncake's "
+                f"client reaches one etcd per process, so {config.master} cannot be used here",
+            )
 
 
 class MasterLink:
@@ -33,6 +57,7 @@ class MasterLink:
     master answers, and logs each change once."""
 
     def __init__(self, config: MooncakeStoreConfig, make_client: Callable[[], Any]) -> None:
+        _claim_etcd(config)
         self.config = config
         self._make_client = make_client
         self._client: Any = None  # set up (not necessarily up)
@@ -121,33 +146,48 @@ class MasterLink:
         self._wake.wait(self.config.probe_interval_s)
         self._wake.clear()
 
+    def _knock(self) -> tuple[str, int] | None:
+        """The master (the leader, when highly available) if it accepts a connection."""
+        wait = min(1.0, self.config.timeout_s)
+        master = master_address(self.config, wait)
+        if master is None or not _accepts(*master, wait):
+            return None
+        return master
+
     def _connect(self) -> Any:
         config = self.config
-        host, port = config.master_host_port
         # Mooncake's setup() holds the GIL while it retries a master that does not answer
         # (90 s with 0.3.13), freezing every thread of the engine: knock first.
-        if not _accepts(host, port, min(1.0, config.timeout_s)):
+        master = self._knock()
+        if master is None:
             return None
         client = self._make_client()
         # the tenant only where one is set: clients before 0.3.13 take no such argument
         tenant = {} if config.tenant_id is None else {"tenant_id": config.tenant_id}
-        code = client.setup(
-            config.local_hostname or local_address(host, port),
-            config.metadata_server,
-            config.global_segment_bytes,
-            config.local_buffer_bytes,
-            config.protocol,
-            config.device,
-            config.master,
-            **tenant,
-        )
+        with _environment_lock:
+            if config.highly_available:
+                # The client reads which cluster's leader to follow from its environment,
+                # once, in setup().
+                os.environ["MC_STORE_CLUSTER_ID"] = config.cluster_id
+            code = client.setup(
+                config.local_hostname or local_address(*master),
+                config.metadata_server,
+                config.global_segment_bytes,
+                config.local_buffer_bytes,
+                config.protocol,
+                config.device,
+                config.master,
+                **tenant,
+            )
         if code != 0:
             _abandon(client)
             return None
         return client
 
-    @staticmethod
-    def _answers(client: Any) -> bool:
+    def _answers(self, client: Any) -> bool:
+        # A call to a master that is gone blocks for seconds: knock first.
+        if self._knock() is None:
+            return False
         # health_check() alone reports the state of the client's last heartbeat, which
         # still says healthy just after the master died: ask the master something as well.
         if client.health_check() != 0:
@@ -164,9 +204,12 @@ class MasterLink:
         self._wake.set()
         if self._client is None:
             return
-        if up:
+        if up and not self.config.highly_available:
             self._client.close()  # unmounts this process's segment: its blocks leave the pool
         else:
+            # A client following the leader through etcd blocks for 30 s in close(),
+            # holding the GIL (0.3.13): left open, its segment leaves the pool when its
+            # process exits (a load from a gone process fails: a miss).
             _abandon(self._client)
 
 

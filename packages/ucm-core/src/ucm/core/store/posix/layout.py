@@ -428,12 +428,14 @@ def evict_lru(
     dry_run: bool = False,
     stop: Callable[[], bool] | None = None,
     gone: Callable[[int, int], None] | None = None,
+    names: list[str] | None = None,
 ) -> tuple[int, int]:
     """Delete least recently used blocks of the store ``root_fd`` (a descriptor of its
     folder) until at most ``target_bytes`` remain (``dry_run``: only count them; ``stop``:
     asked before each removal, true ends the pass at once, as when the store closes;
     ``gone(bytes, blocks)``: told what was removed every :data:`GONE_EVERY` blocks and at
-    the end, so that writers waiting for room need not wait for the whole pass).
+    the end, so that writers waiting for room need not wait for the whole pass; ``names``:
+    given the name of each block removed).
 
     Returns (bytes remaining, blocks remaining)."""
     total = scan.bytes
@@ -450,6 +452,8 @@ def evict_lru(
             continue
         total -= block.size
         count -= 1
+        if names is not None:
+            names.append(block.name)
         pending[0] += block.size
         pending[1] += 1
         if gone is not None and pending[1] >= GONE_EVERY:

@@ -44,6 +44,7 @@ from ucm.core.block_format import (
 from ucm.core.settings import GIB, ConfigError
 from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
 from ucm.core.store.posix.capacity import Capacity, sample_is_enough
@@ -139,6 +140,7 @@ class PosixStore(Store):
         self._published_before_scan: set[str] = set()
         self._errors = 0
         self._evicted = 0  # blocks this object's eviction passes removed
+        self._watch = EvictionWatch()
         self._closed = False
         # The first scan (stale temporary files, the count checked against the disk) runs
         # beside the engine's start-up; only a dump that needs a count no process has made
@@ -208,6 +210,12 @@ class PosixStore(Store):
         """A block's file name: its key, keyed by the secret in a signed store."""
         signer = self._signer
         return (key if signer is None else signer.name(key)).hex()
+
+    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:
+        self._watch.watch([self._file_name(bytes(k)) for k in keys], tags)
+
+    def take_evicted(self) -> list[object]:
+        return self._watch.take()
 
     def _path(self, name: str) -> str:
         return f"{self._blocks_dir}/{name[:2]}/{name}"
@@ -336,13 +344,17 @@ class PosixStore(Store):
             sampled += part.bytes
             taken, batch = taken + batch, batch * 2
         sample = ScanResult(blocks, [], 0)
+        names: list[str] | None = [] if self._watch else None
         if taken >= len(folders):
             # The whole store was listed: an exact pass, which corrects the count too.
             target = max(0, sampled - need)
-            remaining = evict_lru(sample, target, self._root_fd, skip=reading, stop=self._stopped)
+            remaining = evict_lru(
+                sample, target, self._root_fd, skip=reading, stop=self._stopped, names=names
+            )
             removed = (sampled - remaining[0], len(blocks) - remaining[1])
             with self._lock:
                 self._evicted += removed[1]
+            self._watch.evicted(names or ())
             return self._usage.resync(remaining, before, removed)[0]
         usage = self._usage
 
@@ -352,8 +364,10 @@ class PosixStore(Store):
                 self._evicted += nblocks
 
         evict_lru(
-            sample, sampled - need, self._root_fd, skip=reading, stop=self._stopped, gone=gone
-        )
+            sample, sampled - need, self._root_fd, skip=reading, stop=self._stopped, gone=gone,
+            names=names,
+        )  # fmt: skip
+        self._watch.evicted(names or ())
         return usage.read()[0]
 
     def _stopped(self) -> bool:

@@ -43,10 +43,17 @@ def finish_engine(proc: subprocess.Popen[str], timeout: float = 600) -> dict[str
 
 
 def mooncake_store(master: Any, **settings: Any) -> dict[str, Any]:
-    """The store setting of an engine on the ``cluster`` fixture's pool: the engines give the
-    pool no memory, the blocks live in the segment server on host m."""
-    return {"kind": "mooncake", "master": master.address, "global_segment_gb": 0,
-            "timeout_s": 1.0, **settings}  # fmt: skip
+    """The store setting of an engine on the pool of ``master`` (a ``LocalMaster``, or a
+    ``HaCluster``: its masters through etcd): the engines give the pool no memory, the
+    blocks live in the segment server."""
+    from ucm.lab.mooncake import HaCluster
+
+    if isinstance(master, HaCluster):  # the client finds the leader through etcd
+        where = {"master": master.url, "cluster_id": master.cluster_id}
+    else:
+        where = {"master": master.address}
+    return {"kind": "mooncake", **where, "global_segment_gb": 0, "timeout_s": 1.0,
+            **settings}  # fmt: skip
 
 
 def shared_prefix_prompts(
