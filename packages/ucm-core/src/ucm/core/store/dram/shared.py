@@ -95,12 +95,12 @@ class SharedMemoryStore(Store):
             return arena
         with self._arena_lock:
             if self._arena is None and not self._closed:
-                self._arena = self._adopt(Arena.attach(self.root, self._capacity, data=False))
+                attached = Arena.attach(self.root, self._capacity, data=False)
+                self._arena = None if attached is None else self._adopt(attached)
             return self._arena
 
-    def _adopt(self, arena: Arena | None) -> Arena | None:
-        if arena is not None:
-            arena.on_evicted = self._evicted
+    def _adopt(self, arena: Arena) -> Arena:
+        arena.on_evicted = self._evicted  # what this process's passes evict, for the watch
         return arena
 
     def _evicted(self, key0: np.ndarray, key1: np.ndarray) -> None:
