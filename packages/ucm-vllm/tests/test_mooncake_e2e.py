@@ -76,15 +76,7 @@ def test_a_killed_master_costs_b_nothing_and_a_new_one_is_used(
     mooncake_hosts, tiny_model, reference, stored_by_a, tmp_path
 ):
     lab, master, _ = mooncake_hosts
-    # A call that waits on the dead master costs its request timeout_s: 4 s, far above the
-    # noise of a request's time on a loaded machine (0.2 s seen in CI).
-    spec = {
-        "model": tiny_model, "prompts": B_PROMPTS,
-        "store": mooncake_store(master, timeout_s=4.0),
-        "fresh_prefix_cache": True, "pause_after": [KILLED_AT, RESTARTED_AT],
-        "pause_dir": str(tmp_path),
-    }  # fmt: skip
-    engine = start_engine(spec, prefix=lab.command("b", []))
+    engine = start_engine(_b_pausing(tiny_model, master, tmp_path), prefix=lab.command("b", []))
     try:
         _wait_for(tmp_path / "paused-0", engine)
         master.kill()
@@ -122,13 +114,7 @@ def test_the_leader_killed_while_b_serves_costs_nothing_and_the_new_one_is_used(
     and hits through the leader, the leader is killed, B serves on; once the standby leads,
     B's new dumps land on it and hit.  Every output equals vLLM alone."""
     lab, cluster = mooncake_ha_hosts
-    spec = {
-        "model": tiny_model, "prompts": B_PROMPTS,
-        "store": mooncake_store(cluster, timeout_s=4.0),
-        "fresh_prefix_cache": True, "pause_after": [KILLED_AT, RESTARTED_AT],
-        "pause_dir": str(tmp_path),
-    }  # fmt: skip
-    engine = start_engine(spec, prefix=lab.command("b", []))
+    engine = start_engine(_b_pausing(tiny_model, cluster, tmp_path), prefix=lab.command("b", []))
     try:
         _wait_for(tmp_path / "paused-0", engine)
         old_leader = cluster.leader()
@@ -161,6 +147,17 @@ def test_the_leader_killed_while_b_serves_costs_nothing_and_the_new_one_is_used(
     ]
     assert outs[-1]["num_cached_tokens"] == 0  # X: registered with the old leader, lost
     assert run["metrics"].get("vllm:ucm_load_errors", 0) == 0
+
+
+def _b_pausing(model: str, master, pause_dir: Path) -> dict:
+    """B's engine on ``master``'s pool, pausing before the kill and before the restart."""
+    # A call that waits on the dead master costs its request timeout_s: 4 s, far above the
+    # noise of a request's time on a loaded machine (0.2 s seen in CI).
+    return {
+        "model": model, "prompts": B_PROMPTS, "store": mooncake_store(master, timeout_s=4.0),
+        "fresh_prefix_cache": True, "pause_after": [KILLED_AT, RESTARTED_AT],
+        "pause_dir": str(pause_dir),
+    }  # fmt: skip
 
 
 def _only(run: dict, indices: list[int]) -> dict:

@@ -31,18 +31,19 @@ _environment_lock = threading.Lock()
 #: The etcd endpoints this process's clients follow a leader through: Mooncake's client
 #: keeps one etcd connection per process, and refuses (retrying for seconds) another.
 _process_etcd: str | None = None
+_process_etcd_lock = threading.Lock()
 
 
 def _claim_etcd(config: MooncakeStoreConfig) -> None:
     global _process_etcd
     if not config.highly_available:
         return
-    with _environment_lock:
+    with _process_etcd_lock:
         if _process_etcd is None:
             _process_etcd = config.master
         elif _process_etcd != config.master:
             raise ConfigError(
-                "master",
+                "store.master",
                 f"this process already follows the masters of {_process_etcd}; Mooncake's "
                 f"client reaches one etcd per process, so {config.master} cannot be used here",
             )
