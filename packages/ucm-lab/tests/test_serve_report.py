@@ -122,6 +122,33 @@ def test_plot_names_systems_as_the_tables_and_reads_the_band_of_hits():
         plt.close(fig)
 
 
+def test_plot_of_a_slow_machine_zooms_on_its_hits_with_readable_ticks():
+    """A CPU without bf16 instructions: vLLM alone takes 16 s, the hits 0.36-0.57 s."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    series = {
+        "vllm": {r: 16.0 + r / 10 for r in range(6)},
+        "ucm-dram": {0: 15.3, 1: 0.47, 2: 0.43, 3: 0.45, 4: 0.43, 5: 0.56},
+        "lmcache": {0: 13.3, 1: 0.43, 2: 0.39, 3: 0.51, 4: 0.42, 5: 0.47},
+        "vllm-floor": {0: 14.3, 1: 0.43, 2: 0.36, 3: 0.48, 4: 0.41, 5: 0.53},
+    }
+    fig = ttft_figure(series, "title", "note", restart_before=3)
+    try:
+        full, zoom = fig.axes
+        fig.canvas.draw()
+        shown = {t.get_text() for t in full.get_yticklabels() if t.get_text()}
+        assert {"500 ms", "1 s", "10 s", "15 s", "20 s"} <= shown
+        drawn = [line.get_label() for line in zoom.get_lines() if line.get_label()[0] != "_"]
+        assert drawn == ["UCM, dram", "LMCache", "floor"]
+        low, high = zoom.get_ylim()
+        assert low <= 0.36 and 0.56 <= high <= 0.65
+        ticks = [t for t in zoom.get_yticks() if low <= t <= high]
+        assert 5 <= len(ticks) <= 16, ticks
+    finally:
+        plt.close(fig)
+
+
 def test_plot_is_drawn_again_from_a_stored_report(tmp_path):
     pytest.importorskip("matplotlib")
     stored = tmp_path / "bench_serve.json"

@@ -152,11 +152,16 @@ def caption(report: Mapping[str, Any], machine: str | None = None) -> tuple[str,
 
 
 #: the log axis: labelled ticks from the band a store's hit lies in (tens of milliseconds)
-#: up to a prefill (seconds), and unlabelled ones between them for the grid
-LOG_TICKS = (0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0)
-LOG_MINOR_TICKS = (0.06, 0.08, 0.09, 0.4, 0.6, 0.8, 0.9)
-#: the linear panel shows the systems whose rounds 2+ all lie under this (the ones that hit)
+#: up to a prefill (seconds, tens of them on a CPU without bf16 instructions), and
+#: unlabelled ones between them for the grid
+LOG_TICKS = (0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.0, 10.0,
+             15.0, 20.0, 30.0)  # fmt: skip
+LOG_MINOR_TICKS = (0.06, 0.08, 0.09, 0.4, 0.6, 0.8, 0.9, 4.0, 6.0, 8.0, 9.0)
+#: the linear panel shows the systems whose rounds 2+ all lie under this, or under a
+#: quarter of the slowest system's (the ones that hit, on a slower machine)
 ZOOM_BELOW_S = 0.5
+#: the linear panel's tick steps: the finest that keeps its labels apart
+ZOOM_STEPS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 STYLES = {  # colour, marker, line style: UCM's stores in blue, green and purple; the others apart
     "vllm": ("#555555", "s", "-"),
     "ucm-posix": ("#1f77b4", "o", "-"),
@@ -206,13 +211,15 @@ def ttft_figure(
     full, zoom = place(top), place(top + panel + between)
     hits: list[float] = []
     off_scale = 0
+    slowest = max((v for s in series.values() for r, v in s.items() if r >= 1), default=0.0)
+    zoom_below = max(ZOOM_BELOW_S, slowest / 4)
     for name, by_round in series.items():
         rounds = sorted(by_round)
         colour, marker, line = STYLES.get(name, (None, "o", "-"))
         style = {"color": colour, "marker": marker, "linestyle": line, "label": label(name)}
         full.plot([r + 1 for r in rounds], [by_round[r] for r in rounds], **style)
         after = [by_round[r] for r in rounds if r >= 1]
-        if after and max(after) < ZOOM_BELOW_S:
+        if after and max(after) < zoom_below:
             zoom.plot([r + 1 for r in rounds if r >= 1], after, **style)
             hits += after
         elif after:  # named in the panel, so that its absence is not read as no data
@@ -230,10 +237,13 @@ def ttft_figure(
     full.yaxis.set_minor_locator(FixedLocator(LOG_MINOR_TICKS))
     full.yaxis.set_minor_formatter(NullFormatter())
     full.set_title("every round (log scale)", fontsize="medium")
-    if hits:  # whole tens of milliseconds, with room below for the off-scale notes
-        low = math.floor(min(hits) * 100 - 1 - off_scale) / 100
-        zoom.set_ylim(max(low, 0.0), math.ceil(max(hits) * 100 + 1) / 100)
-    zoom.yaxis.set_major_locator(MultipleLocator(0.01))
+    step = ZOOM_STEPS[0]
+    if hits:  # whole steps, at most about 16 of them, with room below for the off-scale notes
+        span = max(hits) - min(hits)
+        step = next((s for s in ZOOM_STEPS if span / s <= 14), ZOOM_STEPS[-1])
+        low = (math.floor(min(hits) / step) - 1 - off_scale) * step
+        zoom.set_ylim(max(low, 0.0), (math.ceil(max(hits) / step) + 1) * step)
+    zoom.yaxis.set_major_locator(MultipleLocator(step))
     zoom.yaxis.set_major_formatter(FuncFormatter(_ms))
     zoom.set_title("rounds 2 and after, the systems that hit (linear scale)", fontsize="medium")
     for ax in (full, zoom):
