@@ -493,6 +493,9 @@ def test_the_leader_killed_costs_nothing_and_dumps_land_on_the_new_one(ha_hosts,
         )  # fmt: skip
         store = MooncakeStore(config)
         try:
+            connected = time.monotonic() + 20  # a loaded machine may take longer than timeout_s
+            while not store.connected and time.monotonic() < connected:
+                time.sleep(0.1)
             assert store.connected
             keys = [key(i, b"ha") for i in range(4)]
             data = [blob(i, 50_000) for i in range(4)]

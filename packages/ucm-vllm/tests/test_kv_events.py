@@ -230,6 +230,9 @@ def test_a_router_subscribed_to_vllm_serve_sees_each_stored_block_once(tiny_mode
         subscriber.wait_for(17)
         subscriber.wait_for(4 + 7, BlockRemoved)
         time.sleep(2)
+        # one more step, storing nothing, reports what a late pass evicted meanwhile
+        complete(client, shared_prefix_prompts(1, prefix=40, tail=10, seed=10)[0], max_tokens=2)
+        time.sleep(1)
         left = [b for b in (tmp_path / "store" / "blocks").rglob("*") if b.is_file()]
     finally:
         server.stop()
