@@ -340,3 +340,53 @@ def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path)
     finally:
         StuckStore.release.set()
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_replicated_cache_is_written_once_across_ranks_and_read_by_every_rank(tmp_path):
+    """An MLA cache: every rank of a tensor-parallel engine holds the same latent cache
+    ([blocks, 16 tokens, 576]).  vLLM CPU's MLA backend cannot prefill on cached KV, so an
+    engine there loads nothing (test_mla_e2e.py); the workers are driven here instead: two
+    ranks dump four blocks between them, each block once, and a fresh worker of either rank
+    loads all four."""
+    mla = GroupLayout(
+        index=0, layer_names=(LAYER,), engine_block_tokens=16, kind="full", replicated=True,
+        descriptor="mla",
+    )  # fmt: skip
+    layouts = [
+        ModelLayout(fingerprint="m", block_tokens=256, rank=r, world_size=2, groups=(mla,))
+        for r in (0, 1)
+    ]
+    config = PosixStoreConfig(path=str(tmp_path / "store"))
+    chain = block_keys(layouts[0].chain_namespace(None), list(range(1024)), 256)
+    items = [Item(0, k, chain[k], list(range(1 + 16 * k, 17 + 16 * k))) for k in range(4)]
+    torch.manual_seed(0)
+    latent = torch.randn(140, 16, 576).to(torch.bfloat16)  # the same on every rank
+
+    def worker(rank: int, cache: torch.Tensor) -> WorkerSide:
+        side = WorkerSide(layouts[rank], ConnectorStores(PosixStore(config), None), num_groups=1)
+        side.register_kv_caches({LAYER: cache})
+        return side
+
+    for rank in (0, 1):
+        writer = worker(rank, latent.clone())
+        writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
+        finish_dumps(writer, "cold")
+        assert writer.tracker.counts.ok == 2  # keys 0 and 2 on rank 0, 1 and 3 on rank 1
+        writer.shutdown()
+    assert len([f for f in (tmp_path / "store" / "blocks").rglob("*") if f.is_file()]) == 4
+
+    targets = [Item(0, it.key, it.chain_key, [b + 70 for b in it.block_ids]) for it in items]
+    for rank in (0, 1):
+        cache = torch.zeros_like(latent)
+        reader = worker(rank, cache)
+        reader.start_load_kv(StepPlan(loads=[Transfer("warm", targets)]))
+        deadline, recving = time.monotonic() + 30, set()
+        while "warm" not in recving and time.monotonic() < deadline:
+            _, got, failed = reader.get_transfer_results(set())
+            assert not failed
+            recving |= got
+            time.sleep(0.01)
+        assert reader.take_load_errors() == set()
+        assert torch.equal(cache[71:135], latent[1:65]), rank  # all four, from both writers
+        assert reader.stats.data["loaded_blocks"] == 4
+        reader.shutdown()
