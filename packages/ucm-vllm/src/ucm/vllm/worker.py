@@ -369,8 +369,9 @@ class WorkerSide:
             self.caches[group], [it.block_ids for it in items], rows, null_block_id=NULL_BLOCK
         ).wait()
         keys = self._keys(items)
-        names = [dropped_name(it.group, it.chain_key) for it in items]
-        if self.report_blocks and self._full(items[0]):  # window tails are not announced
+        announced = self.report_blocks and self._full(items[0])  # window tails are not
+        names = [dropped_name(it.group, it.chain_key) for it in items] if announced else []
+        if announced:
             # watched from before the dump: a batch larger than the room evicts its own
             self.reports.dumping(names)
             store.watch_evictions(keys, names)
@@ -380,11 +381,11 @@ class WorkerSide:
             log.warning("ucm: dump for request %s failed: %s", req_id, exc)
             self.stats.add_cause("dump_errors", "unavailable", len(items))
             self.rows.give(rows)
-            if self.report_blocks and self._full(items[0]):
+            if announced:
                 self.reports.dumped(names, [False] * len(names))
             return
         task.add_done_callback(lambda _task: self.rows.give(rows))
-        if self.report_blocks and self._full(items[0]):
+        if announced:
             task.add_done_callback(
                 lambda done: self.reports.dumped(
                     names, [r is not None and r.ok for r in done.partial()]

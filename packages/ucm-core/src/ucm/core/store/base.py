@@ -15,10 +15,11 @@ into where they live, with no staging copy, and the stored block is the same eit
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import attrs
 from ucm.core.keys import KEY_BYTES
+from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.payload import Payload, as_payload
 from ucm.core.store.task import KeyResult, Task
 
@@ -76,15 +77,23 @@ class Store(abc.ABC):
         evictions are its own; evictions a remote store makes itself are not seen)."""
         return 0
 
-    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:  # noqa: B027
+    #: the watched blocks (:meth:`watch_evictions`), in the stores whose own passes evict;
+    #: None in the others (a remote pool evicts in its own processes): they report nothing
+    _evictions: EvictionWatch | None = None
+
+    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:
         """Should this store object evict one of ``keys`` to make room, hand its tag to
-        :meth:`take_evicted` (the most recent watched only: see ``ucm.core.store.evictions``).
-        Stores that do not evict themselves (a remote pool evicts in its own processes)
-        report nothing."""
+        :meth:`take_evicted` (the most recent watched only: see ``ucm.core.store.evictions``)."""
+        if self._evictions is not None:
+            self._evictions.watch(self._eviction_names(keys), tags)
 
     def take_evicted(self) -> list[object]:
         """The tags of the watched blocks evicted since the last call."""
-        return []
+        return [] if self._evictions is None else self._evictions.take()
+
+    def _eviction_names(self, keys: Sequence[bytes]) -> list[Hashable]:
+        """The names a store that evicts files ``keys`` under, as its passes report them."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:

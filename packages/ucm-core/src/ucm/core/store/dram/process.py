@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
@@ -90,7 +90,7 @@ class DramStore(Store):
         self._blocks: OrderedDict[bytes, tuple[bytes, memoryview]] = OrderedDict()
         self._bytes = 0
         self._evicted = 0
-        self._watch = EvictionWatch()
+        self._evictions = EvictionWatch()
         # Copies happen under the lock, so eviction never frees a block being read.
         self._lock = threading.Lock()
 
@@ -106,19 +106,16 @@ class DramStore(Store):
     def evicted_blocks(self) -> int:
         return self._evicted
 
-    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:
-        self._watch.watch((bytes(k) for k in keys), tags)
-
-    def take_evicted(self) -> list[object]:
-        return self._watch.take()
+    def _eviction_names(self, keys: Sequence[bytes]) -> list[Hashable]:
+        return [bytes(k) for k in keys]
 
     def _evict_one(self) -> None:
         key, (_, old) = self._blocks.popitem(last=False)
         self._bytes -= old.nbytes
         self._evicted += 1
         self._arena.release(old)
-        if self._watch:
-            self._watch.evicted([key])
+        if self._evictions:
+            self._evictions.evicted([key])
 
     def _put(self, key: bytes, payload: Payload, layout: bytes) -> KeyResult:
         size = payload.nbytes

@@ -24,7 +24,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,7 +74,7 @@ class SharedMemoryStore(Store):
         self._arena_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="ucm-shm")
         self._closed = False
-        self._watch = EvictionWatch()
+        self._evictions = EvictionWatch()
 
     @property
     def reads_from_memory(self) -> bool:
@@ -104,14 +104,11 @@ class SharedMemoryStore(Store):
         return arena
 
     def _evicted(self, key0: np.ndarray, key1: np.ndarray) -> None:
-        if self._watch:
-            self._watch.evicted(zip(key0.tolist(), key1.tolist()))
+        if self._evictions:
+            self._evictions.evicted(zip(key0.tolist(), key1.tolist()))
 
-    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:
-        self._watch.watch(self._words(keys), tags)
-
-    def take_evicted(self) -> list[object]:
-        return self._watch.take()
+    def _eviction_names(self, keys: Sequence[bytes]) -> list[Hashable]:
+        return list(self._words(keys))
 
     def _arena_for(self, nbytes: int) -> Arena:
         """The arena, made for blocks of ``nbytes`` if there is none yet; ``ConfigError``

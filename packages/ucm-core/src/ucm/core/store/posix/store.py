@@ -28,7 +28,7 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ucm.core.block_format import (
@@ -140,7 +140,7 @@ class PosixStore(Store):
         self._published_before_scan: set[str] = set()
         self._errors = 0
         self._evicted = 0  # blocks this object's eviction passes removed
-        self._watch = EvictionWatch()
+        self._evictions = EvictionWatch()
         self._closed = False
         # The first scan (stale temporary files, the count checked against the disk) runs
         # beside the engine's start-up; only a dump that needs a count no process has made
@@ -211,11 +211,8 @@ class PosixStore(Store):
         signer = self._signer
         return (key if signer is None else signer.name(key)).hex()
 
-    def watch_evictions(self, keys: Sequence[bytes], tags: Sequence[object]) -> None:
-        self._watch.watch([self._file_name(bytes(k)) for k in keys], tags)
-
-    def take_evicted(self) -> list[object]:
-        return self._watch.take()
+    def _eviction_names(self, keys: Sequence[bytes]) -> list[Hashable]:
+        return [self._file_name(bytes(k)) for k in keys]
 
     def _path(self, name: str) -> str:
         return f"{self._blocks_dir}/{name[:2]}/{name}"
@@ -344,7 +341,8 @@ class PosixStore(Store):
             sampled += part.bytes
             taken, batch = taken + batch, batch * 2
         sample = ScanResult(blocks, [], 0)
-        names: list[str] | None = [] if self._watch else None
+        evictions = self._evictions
+        names: list[str] | None = [] if evictions else None
         if taken >= len(folders):
             # The whole store was listed: an exact pass, which corrects the count too.
             target = max(0, sampled - need)
@@ -354,7 +352,8 @@ class PosixStore(Store):
             removed = (sampled - remaining[0], len(blocks) - remaining[1])
             with self._lock:
                 self._evicted += removed[1]
-            self._watch.evicted(names or ())
+            if evictions and names:
+                evictions.evicted(names)
             return self._usage.resync(remaining, before, removed)[0]
         usage = self._usage
 
@@ -367,7 +366,8 @@ class PosixStore(Store):
             sample, sampled - need, self._root_fd, skip=reading, stop=self._stopped, gone=gone,
             names=names,
         )  # fmt: skip
-        self._watch.evicted(names or ())
+        if evictions and names:
+            evictions.evicted(names)
         return usage.read()[0]
 
     def _stopped(self) -> bool:
