@@ -108,20 +108,24 @@ def shm_dir():
 
 
 def test_dram_store_is_shared_by_the_scheduler_the_workers_and_the_next_engine(
-    reference, tiny_model, prompts, shm_dir
+    tiny_model, prompts, shm_dir
 ):
     # vLLM looks blocks up in its scheduler process and moves them in its worker processes:
     # the default dram store (shared memory) must hit in the same engine and in the next one.
+    # (vLLM's default processes: the scheduler's store and the workers' are not one object)
     store = {"kind": "dram", "path": shm_dir, "capacity_gb": 0.03125}
     first = run_engine(
         {"model": tiny_model, "prompts": [*prompts, prompts[0]], "store": store,
-         "fresh_prefix_cache": True}
+         "fresh_prefix_cache": True, "processes": "split"}
     )  # fmt: skip
+    reference = run_engine({"model": tiny_model, "prompts": prompts, "processes": "split"})
     ref = {**reference, "outputs": [*reference["outputs"], reference["outputs"][0]]}
     assert_same_outputs(ref, first)
     assert first["outputs"][3]["num_cached_tokens"] >= 1024  # the repeat: 4 store blocks
     assert first["metrics"]["vllm:ucm_loaded_blocks"] >= 4 + 3  # and the shared prefix
-    restarted = run_engine({"model": tiny_model, "prompts": prompts, "store": store})
+    restarted = run_engine(
+        {"model": tiny_model, "prompts": prompts, "store": store, "processes": "split"}
+    )
     assert_same_outputs(reference, restarted)
     assert all(o["num_cached_tokens"] >= 1024 for o in restarted["outputs"])
 

@@ -36,11 +36,16 @@ Z = shared_prefix_prompts(1, prefix=800, tail=60, seed=3)  # stored after the re
 # B: hits, then the master dies (requests 2-7), then it is back (8-11): X[0] is lost
 B_PROMPTS = [X[0], X[1], X[2], X[0], Y[0], Y[1], Y[2], X[1], Z[0], Z[0], Z[0], X[0]]
 KILLED_AT, RESTARTED_AT = 2, 8
+# vLLM's own processes (the engine core and its worker apart), as a deployment runs them: a
+# store call that blocks holds up one process of the engine, not all of it
+SPLIT = {"processes": "split"}
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    return run_engine({"model": tiny_model, "prompts": B_PROMPTS, "fresh_prefix_cache": True})
+    return run_engine(
+        {"model": tiny_model, "prompts": B_PROMPTS, "fresh_prefix_cache": True, **SPLIT}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def stored_by_a(mooncake_hosts, tiny_model):
     lab, master, _ = mooncake_hosts
     return run_engine(
         {"model": tiny_model, "prompts": X, "store": mooncake_store(master),
-         "fresh_prefix_cache": True},
+         "fresh_prefix_cache": True, **SPLIT},
         prefix=lab.command("a", []),
     )  # fmt: skip
 
@@ -62,7 +67,7 @@ def test_a_prefix_stored_on_one_host_hits_on_another(
     assert stored_by_a["metrics"]["vllm:ucm_dumped_blocks"] >= 3 + len(X)
     warm = run_engine(
         {"model": tiny_model, "prompts": X, "store": mooncake_store(master),
-         "fresh_prefix_cache": True},
+         "fresh_prefix_cache": True, **SPLIT},
         prefix=lab.command("b", []),
     )  # fmt: skip
     assert_same_outputs(_only(reference, [0, 1, 2]), warm)
@@ -155,7 +160,7 @@ def _b_pausing(model: str, master, pause_dir: Path) -> dict:
     # noise of a request's time on a loaded machine (0.2 s seen in CI).
     return {
         "model": model, "prompts": B_PROMPTS, "store": mooncake_store(master, timeout_s=4.0),
-        "fresh_prefix_cache": True, "pause_after": [KILLED_AT, RESTARTED_AT],
+        "fresh_prefix_cache": True, **SPLIT, "pause_after": [KILLED_AT, RESTARTED_AT],
         "pause_dir": str(pause_dir),
     }  # fmt: skip
 
@@ -184,7 +189,7 @@ def test_a_slow_link_to_the_pool_still_serves_correct_outputs(
     try:
         run = run_engine(
             {"model": tiny_model, "prompts": [Z[0]] * 3, "store": mooncake_store(master),
-             "fresh_prefix_cache": True},
+             "fresh_prefix_cache": True, **SPLIT},
             prefix=lab.command("b", []),
         )  # fmt: skip
     finally:

@@ -39,7 +39,10 @@ def test_multimodal_requests_reuse_blocks_of_the_same_image_only(mm_model, tmp_p
     # will: a primer sharing the first store block (256 tokens) with the prompt, then
     # image 2 (256 tokens cached), then image 1 (320 cached, up to its image).
     primer = prompt[:256] + [WORD_OFFSET + 7] * 40
+    # vLLM's default processes: with the engine in one process, a warm run's logprob moved
+    # by 0.045 from the reference's on this model (text models agree within 1e-3 there)
     spec = {"model": mm_model, "engine": engine, "prompts": [prompt, prompt], "images": [2, 1]}
+    spec["processes"] = "split"
     reference = run_engine(spec | {"prompts": [primer, prompt, prompt], "images": [None, 2, 1]})
     reference["outputs"] = reference["outputs"][1:]
     assert [out["num_cached_tokens"] for out in reference["outputs"]] == [256, 320]

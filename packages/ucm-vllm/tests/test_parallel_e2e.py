@@ -85,7 +85,10 @@ def test_two_servers_sharing_host_memory_load_what_the_other_stored(tiny_model, 
     # seven prompts sharing 1000 tokens: A answers the first, then A and B answer three
     # each at once, each server one request at a time (as the reference ran them)
     prompts = shared_prefix_prompts(7, prefix=1000, tail=100, seed=9)
-    reference = run_engine({"model": tiny_model, "prompts": prompts, "max_tokens": 4})
+    # (vLLM's default processes, as vllm serve runs: their numerics differ from one process's)
+    reference = run_engine(
+        {"model": tiny_model, "prompts": prompts, "max_tokens": 4, "processes": "split"}
+    )
     shm = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
     store = {"kind": "dram", "path": str(shm), "capacity_gb": 0.0625}
     tokenizer = str(make_word_tokenizer(tmp_path / "tokenizer"))

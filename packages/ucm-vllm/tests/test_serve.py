@@ -321,7 +321,7 @@ def test_a_client_that_leaves_while_its_kv_loads_is_released(
 ):
     lab, master, _ = mooncake_hosts
     store = mooncake_store(master, timeout_s=30.0)
-    run_engine({"model": tiny_model, "prompts": [SLOW], "store": store},
+    run_engine({"model": tiny_model, "prompts": [SLOW], "store": store, "processes": "split"},
                prefix=lab.command("a", []))  # fmt: skip
     server = Server(
         tiny_model, tokenizer, logs / "slow.log", store=store, extra={"load_mode": "async"},

@@ -77,16 +77,22 @@ class Task:
     @classmethod
     def completed(cls, results: Sequence[KeyResult]) -> Task:
         task = cls(len(results))
-        for i, result in enumerate(results):
-            task.set_result(i, result)
+        task.set_results(range(len(results)), results)
         return task
 
     def set_result(self, index: int, result: KeyResult) -> None:
+        self.set_results((index,), (result,))
+
+    def set_results(self, indices: Sequence[int], results: Sequence[KeyResult]) -> None:
+        """Record the results of several keys at once (one hold of the lock)."""
         with self._lock:
-            if self._results[index] is not None:
-                raise RuntimeError(f"result {index} of a task set twice")
-            self._results[index] = result
-            self._remaining -= 1
+            mine = self._results
+            for index in indices:
+                if mine[index] is not None:
+                    raise RuntimeError(f"result {index} of a task set twice")
+            for index, result in zip(indices, results):
+                mine[index] = result
+            self._remaining -= len(indices)
             finished = self._remaining == 0
             callbacks = self._callbacks if finished else []
             if finished:
@@ -118,8 +124,7 @@ class Task:
             if start:
                 self._busy += 1
         if not start:
-            for index in indices:
-                self.set_result(index, CANCELLED)
+            self.set_results(indices, [CANCELLED] * len(indices))
             return
         try:
             try:
@@ -129,8 +134,7 @@ class Task:
             except Exception as exc:
                 log.exception("ucm store: unexpected failure")
                 results = [KeyResult(Status.ERROR, f"unexpected: {exc!r}")] * len(indices)
-            for index, result in zip(indices, results):
-                self.set_result(index, result)  # callbacks run here, still counted as busy
+            self.set_results(indices, results)  # callbacks run here, still counted as busy
         finally:
             with self._lock:
                 self._busy -= 1

@@ -6,13 +6,17 @@ SPEC: model, prompts (token id lists), max_tokens, store (a store dict or null: 
 connector), extra (more kv_connector_extra_config), engine (more LLM kwargs), adapters
 (per prompt, a LoRA adapter as [name, id, path] or null), images (per prompt, the seed of a
 random 112-pixel image for the prompt's image token, or null), together (send the prompts
-in one ``generate`` call; by default they go one at a time), fresh_prefix_cache (empty vLLM's
+in one ``generate`` call; by default they go one at a time), processes ("one": the engine
+core and its worker in this process, the default for one rank; "split": vLLM's default, the
+engine core and each worker a process of its own, as ``vllm serve`` and ``LLM`` run by
+default), fresh_prefix_cache (empty vLLM's
 own prefix cache before each request, so that a repeat is served by the store), pause_after
 and pause_dir (before request pause_after[k], create PAUSE_DIR/paused-k and wait for
 PAUSE_DIR/resume-k: the test makes or mends a fault meanwhile).
-Every run pins the CPU threads the same way (../shared/DESIGN.md section 3), so outputs of
-runs with and without the connector are comparable bit for bit, as long as the requests go
-one at a time: vLLM CPU's numerics move with the shape of the batch (logprobs by ~0.05).
+Every run computes on one thread a rank (pinned in a worker process, ../shared/DESIGN.md
+section 3; vLLM's own limit in one process), so outputs of runs with and without the
+connector are comparable bit for bit, as long as the requests go one at a time: vLLM CPU's
+numerics move with the shape of the batch (logprobs by ~0.05).
 """
 
 import os
@@ -27,6 +31,15 @@ import time  # noqa: E402
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    engine = spec.get("engine", {})
+    one_process = spec.get("processes", "one") == "one" and all(
+        engine.get(k, 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size")
+    )
+    if one_process:
+        # the engine core and its worker in this process (vLLM's in-process mode): half the
+        # start-up of three processes each importing torch and vLLM (20 s against 50 here)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        engine = {"distributed_executor_backend": "uni", **engine}
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -40,7 +53,7 @@ def main() -> None:
         max_model_len=4096,
         disable_log_stats=False,
     )
-    kw.update(spec.get("engine", {}))
+    kw.update(engine)
     if spec.get("store") is not None:
         extra = {"store": spec["store"], **spec.get("extra", {})}
         kw["kv_transfer_config"] = {
