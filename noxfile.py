@@ -444,7 +444,7 @@ def bench_serve(session: nox.Session) -> None:
     restart half way; ratios of one run, a JSON last and a plot of time to first token by
     round (``-- --help``: the settings)."""
     _install_vllm(session)
-    session.install("matplotlib")
+    session.install("matplotlib", "py-spy")  # py-spy: for --profile
     lmcache = _lmcache_env(session)
     session.run(
         "python", "-m", "ucm.lab.vllm.bench_serve", "--plot", "docs/img/bench_serve.png",

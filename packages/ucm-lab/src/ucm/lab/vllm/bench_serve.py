@@ -50,8 +50,9 @@ from ucm.lab.vllm.bench_systems import (
     make_system,
     remove_host_stores,
 )
-from ucm.lab.vllm.demo import engine_env
+from ucm.lab.vllm.demo import DEMO_MODEL, engine_env
 from ucm.lab.vllm.multiround import MultiRoundWorkload
+from ucm.lab.vllm.profile import Profiler, cpu_seconds, py_spy
 from ucm.lab.vllm.serve_client import Record, drive
 from ucm.lab.vllm.serve_process import ServeProcess
 from ucm.lab.vllm.serve_report import (
@@ -77,6 +78,10 @@ MODEL = {
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
     "torch_dtype": "bfloat16",
 }  # fmt: skip
+
+
+#: the models a race can run: light in compute for its KV bytes, or as heavy as the demo's
+MODELS = {"light": MODEL, "heavy": {**DEMO_MODEL, "initializer_range": 0.02, "hidden_act": "silu"}}
 
 
 def serve_args(workload: MultiRoundWorkload, kv_share: float) -> list[str]:
@@ -125,6 +130,7 @@ def run_system(
     phases = [range(0, restart), range(restart, workload.rounds)]
     records: list[Record] = []
     counters: dict[str, float] = {}
+    profiles: dict[str, dict[str, float]] = {}
     ran = describe(system, common)
     if system.sidecar is not None:
         try:
@@ -144,18 +150,44 @@ def run_system(
             except RuntimeError as exc:
                 server.kill()
                 return {"system": system.name, "ran": ran, "refused": _last_error(str(exc))}
+            profilers = _profilers(system, server, args.profile, phase)
             try:
                 records += asyncio.run(
                     drive(server.url, MODEL_NAME, workload, rounds, max_in_flight=args.in_flight)
                 )
                 _add_counters(counters, server)
             finally:
+                for part, profiler in profilers.items():
+                    profiles[f"{part}, rounds {rounds.start + 1}-{rounds.stop}"] = cpu_seconds(
+                        profiler.stop().read_text()
+                    )
                 server.stop()
             print(f"  {system.name}: rounds {rounds.start + 1}-{rounds.stop} done", file=sys.stderr)
     finally:
         if system.sidecar is not None:
             system.sidecar.stop()
-    return {"system": system.name, "ran": ran, "records": records, "counters": counters}
+    out = {"system": system.name, "ran": ran, "records": records, "counters": counters}
+    if profiles:
+        out["profile"] = profiles
+    return out
+
+
+def _profilers(
+    system: System, server: ServeProcess, folder: str | None, phase: int
+) -> dict[str, Profiler]:
+    """py-spy on the server (once it serves: its start-up is not profiled) and on the
+    system's sidecar (LMCache's cache server), with ``--profile``."""
+    if folder is None:
+        return {}
+    os.makedirs(folder, exist_ok=True)
+    procs = {"vllm serve": server.proc}
+    sidecar_proc = getattr(system.sidecar, "proc", None)
+    if sidecar_proc is not None:
+        procs["sidecar"] = sidecar_proc
+    return {
+        part: Profiler(proc.pid, os.path.join(folder, f"{system.name}-{phase}-{i}.txt"))
+        for i, (part, proc) in enumerate(procs.items())
+    }
 
 
 #: the server's counters the report keeps: UCM's own, and vLLM's prefix-cache and
@@ -209,7 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--lmcache-python", default=None, help="the interpreter of an environment with LMCache"
     )
+    p.add_argument(
+        "--model", choices=sorted(MODELS), default="light",
+        help="light: hidden 512 (the default); heavy: hidden 2048, the demo's and bench_vllm's",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile", default=None, metavar="DIR",
+        help="py-spy the servers while they serve (profiles in DIR): CPU seconds by part, "
+        "the connector's hooks apart, in the report",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.profile is not None:
+        py_spy()  # refused before any server starts
     workload = MultiRoundWorkload(
         users=args.users, rounds=args.rounds, system_tokens=args.system_tokens,
         user_tokens=args.user_tokens, question_tokens=args.question_tokens,
@@ -227,13 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         "in_flight": args.in_flight, "kv_share": args.kv_share, "kv_blocks": kv_blocks,
         "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
         "history_tokens": workload.history_tokens(), "restart_after_round": args.restart_after,
-        "model": MODEL, "block_size": BLOCK_SIZE, "systems": names, "machine": machine(),
+        "model": MODELS[args.model], "block_size": BLOCK_SIZE, "systems": names,
+        "machine": machine(),
     }  # fmt: skip
     print(json.dumps(settings, indent=1), file=sys.stderr)
     work = tempfile.mkdtemp(prefix="ucm-bench-serve-")
     model = os.path.join(work, "model")
     os.makedirs(model)
-    Path(model, "config.json").write_text(json.dumps(MODEL))
+    Path(model, "config.json").write_text(json.dumps(MODELS[args.model]))
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     try:
@@ -291,6 +335,14 @@ def _report(
             print(f"{name} / {baseline}: {shown}", file=sys.stderr)
     for name, why in report["refused"].items():
         print(f"{name}: refused to start: {why}", file=sys.stderr)
+    profiles = {n: r["profile"] for n, r in results.items() if "profile" in r}
+    if profiles:
+        report["profile_cpu_s"] = profiles
+        print("\nCPU seconds while serving (py-spy):", file=sys.stderr)
+        for name, by_phase in profiles.items():
+            for phase, seconds in by_phase.items():
+                parts = ", ".join(f"{part} {s:.2f}" for part, s in seconds.items())
+                print(f"{name}, {phase}: {parts}", file=sys.stderr)
     return report
 
 
