@@ -2,23 +2,29 @@
 
 from ucm.lab.vllm.profile import RATE, classify, connector_share, cpu_seconds
 
-PROCS = 'process 10:"vllm serve";process 11:"VLLM::EngineCore";thread (0x7f01);'
-STEP = "run_engine_core (vllm/v1/engine/core.py:900);step (vllm/v1/engine/core.py:400)"
+SITE = "/venv/lib/python3.11/site-packages"
+PROCS = 'process 10:"vllm serve";process 11:"VLLM::EngineCore";'
+STEP = f"run_engine_core ({SITE}/vllm/v1/engine/core.py:900);step ({SITE}/vllm/v1/engine/core.py:4)"
+RUN = f"{STEP};CPUModelRunner.execute_model ({SITE}/vllm/v1/worker/cpu_model_runner.py:20)"
 LOAD = (
-    f"{STEP};execute_model (vllm/v1/worker/gpu_model_runner.py:2000);"
-    "start_load_kv (ucm/vllm/connector.py:173);load (ucm/vllm/worker.py:300)"
+    f"{RUN};UCMConnector.start_load_kv ({SITE}/ucm/vllm/connector.py:173);"
+    f"Worker.start_load_kv ({SITE}/ucm/vllm/worker.py:300)"
 )
-FORWARD = f"{STEP};execute_model (vllm/v1/worker/gpu_model_runner.py:2000);forward (llama.py:9)"
+FORWARD = f"{RUN};LlamaModel.forward ({SITE}/vllm/model_executor/models/llama.py:9)"
 LOOKUP = (
-    f"{STEP};schedule (vllm/v1/core/sched/scheduler.py:500);"
-    "get_num_new_matched_tokens (ucm/vllm/connector.py:133);lookup (ucm/vllm/scheduler.py:90)"
+    f"{STEP};Scheduler.schedule ({SITE}/vllm/v1/core/sched/scheduler.py:500);"
+    f"UCMConnector.get_num_new_matched_tokens ({SITE}/ucm/vllm/connector.py:133)"
 )
-COPY = "_worker (concurrent/futures/thread.py:83);work (ucm/core/store/dram/shared.py:216)"
+COPY = (
+    "Thread._bootstrap (/usr/lib/python3.11/threading.py:995);"
+    f"work ({SITE}/ucm/core/store/dram/shared.py:216)"
+)
 LMCACHE = (
-    f"{STEP};execute_model (vllm/v1/worker/gpu_model_runner.py:2000);"
-    "wait_for_save (lmcache/integration/vllm/lmcache_mp_connector.py:700)"
+    f"{RUN};LMCacheMPConnector.wait_for_save "
+    f"({SITE}/lmcache/integration/vllm/lmcache_mp_connector.py:700)"
 )
-BASE_HOOK = f"{STEP};wait_for_save (vllm/distributed/kv_transfer/kv_connector/v1/base.py:9)"
+# a hook of vLLM's own base class, in a repository checked out under a folder named ucm
+BASE_HOOK = f"{STEP};KVConnectorBase_V1.wait_for_save (/home/ucm/vllm/kv_connector/v1/base.py:9)"
 
 
 def test_a_stack_goes_under_the_connector_hook_vllm_called_first():
@@ -27,8 +33,7 @@ def test_a_stack_goes_under_the_connector_hook_vllm_called_first():
     assert classify(LMCACHE.split(";")) == "connector.wait_for_save"
     assert classify(FORWARD.split(";")) == "forward"
     assert classify(COPY.split(";")) == "store threads"
-    # a hook of vLLM's own base class is not a connector's work
-    assert classify(BASE_HOOK.split(";")) == "other"
+    assert classify(BASE_HOOK.split(";")) == "other"  # not a connector's own work
 
 
 def test_cpu_seconds_sums_samples_by_part_and_skips_what_is_not_a_sample():

@@ -3,8 +3,9 @@
 For each block size, the same bytes go through
   * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
   * raw O_DIRECT file I/O and the posix store with ``o_direct``;
-  * memcpy into and out of pre-faulted memory, the dram store (scope process) and the dram
-    store in shared memory (scope host, what vLLM uses);
+  * memcpy into and out of pre-faulted memory, the dram store (scope process), the dram
+    store in shared memory (scope host, what vLLM uses), and that store's floor: its copy
+    threads hashing and copying the blocks with no store around them ("sealed copies");
   * with ``--kind mooncake``: Mooncake's own client (``batch_put_from`` /
     ``batch_get_into``, in batches as large as the store's) and the mooncake store, each on
     a master and a segment server started for the run (or both on ``--master``);
@@ -25,8 +26,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+import xxhash
 from tqdm import tqdm
 from ucm.core.cli import CliError
 from ucm.core.config import (
@@ -121,6 +125,29 @@ def _memcpy(srcs: list, pool: list, dsts: list, n: int) -> tuple[float, float]:
     for i in range(n):
         dsts[i % len(dsts)][:] = pool[i]
     return t_in, time.perf_counter() - t0
+
+
+def _sealed_copies(srcs: list, pool: list, dsts: list, n: int, threads: int) -> tuple[float, float]:
+    """The host tier's floor: what its copy threads do with no store around them.  Each
+    block hashed (xxh3) and copied into the pool, then hashed and copied out, ``threads``
+    threads dealing out the blocks of each batch as the store does."""
+
+    def move(pairs: list[tuple[Any, Any]]) -> None:
+        for dst, src in pairs:
+            xxhash.xxh3_64_intdigest(src)
+            np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+    def timed(pair: Callable[[int], tuple[Any, Any]]) -> float:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool_:
+            for s in range(0, n, BATCH):
+                batch = [pair(i) for i in range(s, min(s + BATCH, n))]
+                list(pool_.map(move, [batch[k::threads] for k in range(threads)]))
+        return time.perf_counter() - t0
+
+    t_in = timed(lambda i: (pool[i], srcs[i % len(srcs)]))
+    t_out = timed(lambda i: (dsts[i % BATCH], pool[i]))
+    return t_in, t_out
 
 
 def _lookup_prefix_ms(store: Store, srcs: list, count: int = 512) -> float:
@@ -313,16 +340,21 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
                     ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
                     ("dram shared", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
+                    (
+                        "sealed copies",
+                        lambda: _sealed_copies(srcs, pool, dsts, n, shared.config.threads),
+                        "memcpy",
+                    ),
                 ]
                 if args.signed:
                     cases += _signed_cases(root, n * size, srcs, dsts, n, opened)
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
             for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
-                if name == "memcpy":
+                if name in ("memcpy", "sealed copies"):
                     pool[:] = [aligned(size) for _ in range(n)]
                 timings = [run() for _ in range(args.repeat)]
-                if name == "memcpy":
+                if name in ("memcpy", "sealed copies"):
                     pool.clear()
                 best = (min(t[0] for t in timings), min(t[1] for t in timings))
                 measured[name] = best

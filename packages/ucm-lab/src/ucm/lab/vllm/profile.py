@@ -34,8 +34,11 @@ HOOKS = frozenset(
         "bind_connector_metadata", "clear_connector_metadata",
     }
 )  # fmt: skip
-#: where a connector's own code lives (a frame's file, as py-spy shortens it)
-CONNECTOR_CODE = ("ucm/", "lmcache/", "lmcache_mp_connector", "offloading_connector")
+#: where a connector's own code lives (in a frame's full file name: installed, or UCM's
+#: source tree in an editable install)
+CONNECTOR_CODE = (
+    "site-packages/ucm/", "/src/ucm/", "site-packages/lmcache/", "/offloading_connector.py",
+)  # fmt: skip
 #: frames of the model's forward pass
 FORWARD = ("execute_model", "_model_forward")
 
@@ -55,7 +58,8 @@ class Profiler:
         self.path = Path(path)
         self.proc = subprocess.Popen(
             [py_spy(), "record", "--pid", str(pid), "--subprocesses", "--nonblocking",
-             "--format", "raw", "--rate", str(RATE), "--output", str(self.path)],
+             "--full-filenames", "--format", "raw", "--rate", str(RATE),
+             "--output", str(self.path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -74,11 +78,14 @@ class Profiler:
 
 def classify(stack: list[str]) -> str:
     """The part of the server a stack (outermost frame first) is spent in."""
+    names = []
     for frame in stack:
-        name, _, where = frame.partition(" (")
+        qualified, _, where = frame.partition(" (")
+        name = qualified.rpartition(".")[2]  # py-spy names methods Class.method
         if name in HOOKS and any(code in where for code in CONNECTOR_CODE):
             return f"connector.{name}"
-    if any(frame.startswith(FORWARD) for frame in stack):
+        names.append(name)
+    if any(name in FORWARD for name in names):
         return "forward"
     if any(code in frame for frame in stack for code in CONNECTOR_CODE):
         return "store threads"
