@@ -92,8 +92,9 @@ class Store(abc.ABC):
         return [] if self._evictions is None else self._evictions.take()
 
     def _eviction_names(self, keys: Sequence[bytes]) -> list[Hashable]:
-        """The names a store that evicts files ``keys`` under, as its passes report them."""
-        raise NotImplementedError
+        """The names a store that evicts files ``keys`` under, as its passes report them:
+        the keys themselves, unless the store names its blocks otherwise."""
+        return [bytes(k) for k in keys]
 
     @abc.abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:

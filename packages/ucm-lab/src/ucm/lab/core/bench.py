@@ -29,8 +29,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-import xxhash
 from tqdm import tqdm
 from ucm.core.cli import CliError
 from ucm.core.config import (
@@ -41,8 +39,11 @@ from ucm.core.config import (
 )
 from ucm.core.settings import GIB
 from ucm.core.store import DramStore, PosixStore, SharedMemoryStore, Store
+from ucm.core.store.dram.shared import move_sealed
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
+#: the cases that copy into a pool of pre-faulted blocks, made for them and dropped after
+POOLED = ("memcpy", "sealed copies")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -129,24 +130,25 @@ def _memcpy(srcs: list, pool: list, dsts: list, n: int) -> tuple[float, float]:
 
 def _sealed_copies(srcs: list, pool: list, dsts: list, n: int, threads: int) -> tuple[float, float]:
     """The host tier's floor: what its copy threads do with no store around them.  Each
-    block hashed (xxh3) and copied into the pool, then hashed and copied out, ``threads``
-    threads dealing out the blocks of each batch as the store does."""
+    block hashed and copied into the pool, then hashed and copied out by the store's own
+    routine (``move_sealed``), ``threads`` threads dealing out the blocks of each batch as
+    the store does."""
 
-    def move(pairs: list[tuple[Any, Any]]) -> None:
-        for dst, src in pairs:
-            xxhash.xxh3_64_intdigest(src)
-            np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+    def move(pairs: list[tuple[memoryview, memoryview]], into: bool) -> None:
+        for slot, part in pairs:
+            move_sealed(None, (0, 0), 0, (part,), slot, into=into)
 
-    def timed(pair: Callable[[int], tuple[Any, Any]]) -> float:
+    def timed(pair: Callable[[int], tuple[memoryview, memoryview]], into: bool) -> float:
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool_:
+        with ThreadPoolExecutor(threads) as executor:
             for s in range(0, n, BATCH):
                 batch = [pair(i) for i in range(s, min(s + BATCH, n))]
-                list(pool_.map(move, [batch[k::threads] for k in range(threads)]))
+                shares = [batch[k::threads] for k in range(threads)]
+                list(executor.map(move, shares, [into] * threads))
         return time.perf_counter() - t0
 
-    t_in = timed(lambda i: (pool[i], srcs[i % len(srcs)]))
-    t_out = timed(lambda i: (dsts[i % BATCH], pool[i]))
+    t_in = timed(lambda i: (memoryview(pool[i]), memoryview(srcs[i % len(srcs)])), True)
+    t_out = timed(lambda i: (memoryview(pool[i]), memoryview(dsts[i % BATCH])), False)
     return t_in, t_out
 
 
@@ -351,10 +353,10 @@ def run_store_bench(args: argparse.Namespace) -> int:
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
             for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
-                if name in ("memcpy", "sealed copies"):
+                if name in POOLED:
                     pool[:] = [aligned(size) for _ in range(n)]
                 timings = [run() for _ in range(args.repeat)]
-                if name in ("memcpy", "sealed copies"):
+                if name in POOLED:
                     pool.clear()
                 best = (min(t[0] for t in timings), min(t[1] for t in timings))
                 measured[name] = best

@@ -52,7 +52,7 @@ from ucm.lab.vllm.bench_systems import (
 )
 from ucm.lab.vllm.demo import DEMO_MODEL, engine_env
 from ucm.lab.vllm.multiround import MultiRoundWorkload
-from ucm.lab.vllm.profile import Profiler, cpu_seconds, py_spy
+from ucm.lab.vllm.profile import Profiler, connector_share, cpu_seconds, py_spy
 from ucm.lab.vllm.serve_client import Record, drive
 from ucm.lab.vllm.serve_process import ServeProcess
 from ucm.lab.vllm.serve_report import (
@@ -265,19 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown systems {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
     kv_blocks = workload.kv_blocks(args.kv_share, BLOCK_SIZE)
+    model_config = MODELS[args.model]
     settings = {
         "workload": attrs.asdict(workload),
         "in_flight": args.in_flight, "kv_share": args.kv_share, "kv_blocks": kv_blocks,
         "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
         "history_tokens": workload.history_tokens(), "restart_after_round": args.restart_after,
-        "model": MODELS[args.model], "block_size": BLOCK_SIZE, "systems": names,
+        "model": model_config, "block_size": BLOCK_SIZE, "systems": names,
         "machine": machine(),
     }  # fmt: skip
     print(json.dumps(settings, indent=1), file=sys.stderr)
     work = tempfile.mkdtemp(prefix="ucm-bench-serve-")
     model = os.path.join(work, "model")
     os.makedirs(model)
-    Path(model, "config.json").write_text(json.dumps(MODELS[args.model]))
+    Path(model, "config.json").write_text(json.dumps(model_config))
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     try:
@@ -342,7 +343,8 @@ def _report(
         for name, by_phase in profiles.items():
             for phase, seconds in by_phase.items():
                 parts = ", ".join(f"{part} {s:.2f}" for part, s in seconds.items())
-                print(f"{name}, {phase}: {parts}", file=sys.stderr)
+                added = connector_share(seconds)
+                print(f"{name}, {phase}: {parts} (the connector: {added:.2f})", file=sys.stderr)
     return report
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
@@ -105,9 +105,6 @@ class DramStore(Store):
     @property
     def evicted_blocks(self) -> int:
         return self._evicted
-
-    def _eviction_names(self, keys: Sequence[bytes]) -> list[Hashable]:
-        return [bytes(k) for k in keys]
 
     def _evict_one(self) -> None:
         key, (_, old) = self._blocks.popitem(last=False)
