@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 
 class Payload:
     """One key's buffer as byte views: the payload is the concatenation of ``parts``.
@@ -21,6 +23,15 @@ class Payload:
     def parts(self) -> tuple[memoryview, ...]:
         """The views, in payload order (a store takes them once per key it moves)."""
         return self._parts
+
+    @classmethod
+    def one(cls, view: memoryview) -> Payload:
+        """A payload of one checked flat byte view (most buffers: made for every key of every
+        batch on the caller's thread, so without the general constructor's work)."""
+        made = cls.__new__(cls)
+        made._parts = (view,)
+        made.nbytes = view.nbytes
+        return made
 
     @staticmethod
     def deferred(nbytes: int, source: Sequence[Sequence[memoryview]], index: int) -> Payload:
@@ -80,6 +91,14 @@ def fill_parts(parts: Sequence[memoryview], src: memoryview) -> None:
 
 def as_payload(buffer: object, *, writable: bool, what: str) -> Payload:
     """A buffer, or a list or tuple of buffers, as a :class:`Payload` (checked)."""
+    kind = type(buffer)
+    if kind is np.ndarray:  # host rows (torch's .numpy()) and numpy buffers
+        flags = buffer.flags  # type: ignore[attr-defined]
+        if flags.c_contiguous and (flags.writeable or not writable):
+            view = memoryview(buffer)  # type: ignore[arg-type]
+            return Payload.one(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    elif kind is memoryview and _flat_bytes(buffer, writable):
+        return Payload.one(buffer)  # type: ignore[arg-type]
     if isinstance(buffer, Payload):
         return buffer
     if isinstance(buffer, (list, tuple)):

@@ -24,7 +24,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +54,9 @@ MOUNTINFO = "/proc/self/mountinfo"
 #: parts smaller than this are copied by memoryview (numpy's call costs more than it saves)
 NUMPY_COPY_MIN = 64 << 10
 _KEY = struct.Struct("<QQ")
+#: keys a copy thread reserves or pins under one hold of the arena's lock: small enough that
+#: its first copies start at once, large enough to spread the lock's cost (two syscalls)
+CHUNK = 16
 _HEADER = struct.Struct("<QQQQ")  # what a MAC covers before the payload: name, layout, length
 
 
@@ -169,69 +172,79 @@ class SharedMemoryStore(Store):
             return Task.completed([])
         try:
             arena = self._arena_for(max(p.nbytes for p in payloads))
-            words = self._words(keys)
-            reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
-        except (ConfigError, ArenaBusy) as exc:
+        except ConfigError as exc:
             return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
-        settled = [OK if got is True else _FULL if got is False else None for got in reserved]
-        layout_word = _layout_word(layout)
         return self._spread(
-            settled, self._dump_group, arena, words, payloads, reserved, layout_word
+            len(keys), self._dump_chunk, arena, keys, payloads, _layout_word(layout)
         )
 
-    def _spread(self, settled: list[KeyResult | None], run: Any, *args: Any) -> Task:
-        """A task whose keys with a result in ``settled`` are done; the others are dealt out
-        to the copy threads (whole blocks each), each group run as ``run(task, group, *args)``."""
-        task = Task(len(settled))
-        todo = []
-        for i, result in enumerate(settled):
-            if result is None:
-                todo.append(i)
-            else:
-                task.set_result(i, result)
-        n = min(self.config.threads, len(todo))
-        for k in range(n):
-            self._pool.submit(run, task, todo[k::n], *args)
+    def _spread(self, n: int, run: Any, *args: Any) -> Task:
+        """A task over ``n`` keys dealt out to the copy threads, each running its share in
+        chunks of :data:`CHUNK` keys as ``run(task, chunk, *args)`` (a chunk's results)."""
+        task = Task(n)
+        threads = min(self.config.threads, -(-n // CHUNK))
+        for k in range(threads):
+            self._pool.submit(self._run_chunks, task, range(k, n, threads), run, args)
         return task
 
-    def _dump_group(
+    @staticmethod
+    def _run_chunks(task: Task, share: range, run: Any, args: tuple[Any, ...]) -> None:
+        # A thread takes its slots or pins a chunk at a time, under the arena's lock, while
+        # the other threads copy: the bookkeeping of one overlaps the copies of another (all
+        # of it up front, on the caller's thread, kept the copy threads waiting for half the
+        # time at 256 KiB blocks).  A chunk not started when the task is cancelled is not.
+        for c in range(0, len(share), CHUNK):
+            chunk = share[c : c + CHUNK]
+            task.run_keys(chunk, lambda chunk=chunk: run(task, chunk, *args))  # type: ignore[misc]
+
+    def _dump_chunk(
         self,
         task: Task,
-        group: list[int],
+        chunk: range,
         arena: Arena,
-        words: list[tuple[int, int]],
+        keys: Sequence[bytes],
         payloads: list[Payload],
-        reserved: list[Any],
         layout_word: int,
-    ) -> None:
-        # each reserved slot is published, or given back (length -1) if it was not filled
-        written = [(*reserved[i], -1, 0, b"") for i in group]
-        names = [words[i] for i in group]
-
-        def work() -> list[KeyResult]:
-            results: list[KeyResult] = []
-            for j, i in enumerate(group):
-                slot, gen = reserved[i]
+    ) -> list[KeyResult]:
+        words = self._words([keys[i] for i in chunk])
+        try:
+            reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
+        except ArenaBusy as exc:
+            return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
+        results: list[KeyResult] = []
+        written: list[tuple[int, int, int, int, bytes]] = []  # each reserved slot, once
+        names: list[tuple[int, int]] = []
+        try:
+            for i, name, got in zip(chunk, words, reserved):
+                if got is True or got is False:  # stored already / no slot could be freed
+                    results.append(OK if got else _FULL)
+                    continue
+                slot, gen = got
+                names.append(name)
+                written.append((slot, gen, -1, 0, b""))  # given back unless filled
                 try:
                     parts = payloads[i].parts
                     dst = arena.slot(slot, payloads[i].nbytes)
-                    seal = move_sealed(self._signer, words[i], layout_word, parts, dst, into=True)
+                    seal = move_sealed(self._signer, name, layout_word, parts, dst, into=True)
                 except (TypeError, ValueError) as exc:
                     results.append(KeyResult(Status.ERROR, str(exc)))
                     continue
                 if task.cancelled:
                     results.append(CANCELLED)  # a dump cancelled mid-way is not published
                     continue
-                written[j] = (slot, gen, dst.nbytes, layout_word, seal)
+                written[-1] = (slot, gen, dst.nbytes, layout_word, seal)
                 results.append(OK)
-            published = self._publish(arena, written, names)
-            return [r if not r.ok or done else _LOST for r, done in zip(results, published)]
-
-        # cancelled before it started: the reserved slots go back
-        _run_keys(task, group, work, undo=lambda: self._publish(arena, written, names))
+        finally:  # every slot taken is published or given back, whatever happened
+            published = iter(self._publish(arena, written, names))
+        return [
+            r if got is True or got is False or (next(published) or not r.ok) else _LOST
+            for r, got in zip(results, reserved)
+        ]
 
     @staticmethod
     def _publish(arena: Arena, written: list[Any], words: list[tuple[int, int]]) -> list[bool]:
+        if not written:
+            return []
         try:
             return arena.publish(written, words)
         except ArenaBusy:  # the slots stay WRITING until their lease ends, then are reclaimed
@@ -244,49 +257,43 @@ class SharedMemoryStore(Store):
         arena = self._attached()
         if arena is None or not keys:
             return Task.completed([MISS] * len(keys))
-        try:
-            arena.map_data()
-            words = self._words(keys)
-            pinned = arena.pin(words)
-        except ArenaBusy as exc:
-            return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
-        settled = [MISS if pin is None else None for pin in pinned]
-        layout_word = _layout_word(layout)
-        return self._spread(settled, self._load_group, arena, words, payloads, pinned, layout_word)
+        arena.map_data()
+        return self._spread(
+            len(keys), self._load_chunk, arena, keys, payloads, _layout_word(layout)
+        )
 
-    def _load_group(
+    def _load_chunk(
         self,
         task: Task,
-        group: list[int],
+        chunk: range,
         arena: Arena,
-        words: list[tuple[int, int]],
+        keys: Sequence[bytes],
         payloads: list[Payload],
-        pinned: list[Pinned | None],
         layout_word: int,
-    ) -> None:
-        pins = [pinned[i] for i in group]
-
-        def work() -> list[KeyResult]:
-            results: list[KeyResult] = []
-            bad: list[Pinned] = []
-            for i, pin in zip(group, pins):
-                assert pin is not None
-                results.append(self._load_one(arena, words[i], payloads[i], pin, layout_word))
+    ) -> list[KeyResult]:
+        words = self._words([keys[i] for i in chunk])
+        try:
+            pinned = arena.pin(words)
+        except ArenaBusy as exc:
+            return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
+        results: list[KeyResult] = []
+        pins = [pin for pin in pinned if pin is not None]
+        bad: list[Pinned] = []
+        try:
+            for i, name, pin in zip(chunk, words, pinned):
+                if pin is None:
+                    results.append(MISS)
+                    continue
+                results.append(self._load_one(arena, name, payloads[i], pin, layout_word))
                 if results[-1].status is Status.CORRUPT:
                     bad.append(pin)
+        finally:  # every pin goes, whatever happened
             try:
-                same = arena.unpin(pins, bad)  # type: ignore[arg-type]
-            except ArenaBusy as exc:
-                return [KeyResult(Status.ERROR, str(exc))] * len(group)
-            return [r if kept else MISS for r, kept in zip(results, same)]
-
-        def undo() -> None:  # cancelled before it started: the pins go
-            try:
-                arena.unpin(pins)  # type: ignore[arg-type]
-            except ArenaBusy:
-                pass  # their leases end by themselves
-
-        _run_keys(task, group, work, undo)
+                kept = iter(arena.unpin(pins, bad) if pins else [])
+            except ArenaBusy as exc:  # the pins' leases end by themselves
+                return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
+        # a pin whose slot was reused meanwhile (its lease ran out): what was read is not it
+        return [r if pin is None or next(kept) else MISS for r, pin in zip(results, pinned)]
 
     def _load_one(
         self,
@@ -353,25 +360,6 @@ class SharedMemoryStore(Store):
         self._pool.shutdown(wait=True)
         if self._arena is not None:
             self._arena.close()
-
-
-def _run_keys(
-    task: Task, group: list[int], work: Callable[[], list[KeyResult]], undo: Callable[[], Any]
-) -> None:
-    """``task.run_keys(group, work)``, and ``undo()`` if the task was cancelled before
-    ``work`` ran (it would have released the slots or pins the group holds)."""
-    ran = False
-
-    def run() -> list[KeyResult]:
-        nonlocal ran
-        ran = True
-        return work()
-
-    try:
-        task.run_keys(group, run)
-    finally:
-        if not ran:
-            undo()
 
 
 _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")
