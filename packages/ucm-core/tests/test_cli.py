@@ -305,6 +305,7 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
     cases = summary["cases"]
     assert [c["case"] for c in cases] == [
         "raw file", "posix", "raw O_DIRECT", "posix O_DIRECT", "memcpy", "dram", "dram shared",
+        "dram in place",
         "sealed copies", "posix signed", "dram shared signed",
     ]  # fmt: skip
     blocks = max(128, int(0.01 * GIB) // (64 * 1024))
@@ -315,7 +316,8 @@ def test_bench_store_runs_and_ends_with_json(tmp_path):
     assert baselines == {
         "raw file": None, "posix": "raw file",
         "raw O_DIRECT": None, "posix O_DIRECT": "raw O_DIRECT",
-        "memcpy": None, "dram": "memcpy", "dram shared": "memcpy", "sealed copies": "memcpy",
+        "memcpy": None, "dram": "memcpy", "dram shared": "memcpy", "dram in place": "memcpy",
+        "sealed copies": "memcpy",
         "posix signed": "raw file", "dram shared signed": "memcpy",
     }  # fmt: skip
     for case in cases:

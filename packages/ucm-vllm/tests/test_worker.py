@@ -131,6 +131,20 @@ def test_dumped_blocks_load_into_another_workers_cache(tmp_path, device, sync_lo
     reader.shutdown()
 
 
+@pytest.fixture
+def shm_path():
+    """A fresh folder path in /dev/shm for a host dram store, removed afterwards."""
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    path = f"/dev/shm/ucm-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def finish_dumps(worker: WorkerSide, req_id: str) -> None:
     deadline = time.monotonic() + 30
     sending: set[str] = set()
@@ -286,6 +300,44 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         on_disk.shutdown()
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path):
+    # A dram store hands out its slots (Store.open_writes): the blocks of a CPU cache are
+    # gathered there, with no host row, and sealed by the store; another worker loads them
+    # back through rows (async) and they are the blocks dumped.
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore
+
+    config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
+    items = chain_items(3)
+    writer, stored = worker_on(SharedMemoryStore(config), seed=0)
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("a dump to host memory took a host row")
+
+    writer.rows.take = no_rows
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
+    finish_dumps(writer, "cold")
+    assert writer.tracker.counts.ok == 3
+    # dumped again (another request with the same prefix): stored already, nothing written
+    writer.wait_for_save(StepPlan(dumps=[Transfer("again", items)], delayed=["again"]))
+    finish_dumps(writer, "again")
+    assert writer.tracker.counts.ok == 6 and not writer.tracker.counts.failed_by_status
+    assert writer.stores.full.usage().blocks == 3
+    writer.shutdown()
+
+    reader, cache = worker_on(SharedMemoryStore(config), seed=1)
+    targets = [Item(0, it.key, it.chain_key, [b + 12 for b in it.block_ids]) for it in items]
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", targets)]))
+    deadline = time.monotonic() + 30
+    recving: set[str] = set()
+    while "warm" not in recving and time.monotonic() < deadline:
+        recving |= reader.get_transfer_results(set())[1]
+        time.sleep(0.01)
+    assert reader.take_load_errors() == set()
+    assert torch.equal(cache[13:37], stored[1:25])
+    reader.shutdown()
 
 
 def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path):

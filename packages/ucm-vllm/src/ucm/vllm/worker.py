@@ -21,7 +21,10 @@ is cancelled and waited for (a memory copy ends at once), so no read lands after
 taken its blocks back.
 
 Dumps gather the blocks into host rows right after the forward pass that computed them, so
-vLLM may reuse the engine blocks at once; the store writes in the background.
+vLLM may reuse the engine blocks at once; the store writes in the background.  Where the
+store keeps its blocks in this host's memory (``Store.open_writes``: the dram store) and the
+cache is on the CPU, the blocks are gathered straight into the store's slots instead, and
+the store only seals and publishes them: one copy, no host row.
 
 This side imports no vLLM: it works on the step's plan (:mod:`ucm.vllm.transfers`) and
 torch tensors, so its data path runs wherever torch does (a GPU machine without vLLM).
@@ -39,7 +42,8 @@ import attrs
 import torch
 from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
-from ucm.core.store import KeyResult, Status, Task
+from ucm.core.store import KeyResult, Status, Store, Task
+from ucm.core.store.writes import SlotWrites
 from ucm.kernels import BlockSegments, HostStager, block_segments, payload_nbytes
 from ucm.kernels.transfer import RowPool, deferred_payloads, row_buffers, verified_prefix
 from ucm.vllm.counters import Counters
@@ -363,12 +367,18 @@ class WorkerSide:
     def _dump(self, req_id: str, group: int, items: list[Item]) -> None:
         assert self.stores is not None
         store = self.stores.of(self.layout.groups[group])
-        rows = self.rows.take(self._item_bytes(items[0]), len(items))
-        # Waited here: the engine may reuse the blocks once this step ends.
-        self.stager.dump(
-            self.caches[group], [it.block_ids for it in items], rows, null_block_id=NULL_BLOCK
-        ).wait()
+        nbytes = self._item_bytes(items[0])
         keys = self._keys(items)
+        # Gathered now, and waited for: the engine may reuse the blocks once this step ends.
+        writes = self._open_writes(store, keys, nbytes)
+        rows: list[torch.Tensor] = []
+        if writes is not None:
+            self._gather_into(writes, group, items)
+        else:
+            rows = self.rows.take(nbytes, len(items))
+            self.stager.dump(
+                self.caches[group], [it.block_ids for it in items], rows, null_block_id=NULL_BLOCK
+            ).wait()
         announced = self.report_blocks and self._full(items[0])  # window tails are not
         names = [dropped_name(it.group, it.chain_key) for it in items] if announced else []
         if announced:
@@ -376,7 +386,11 @@ class WorkerSide:
             self.reports.dumping(names)
             store.watch_evictions(keys, names)
         try:
-            task = store.dump(keys, row_buffers(rows), LAYOUT_TAG)
+            task = (
+                writes.commit()
+                if writes is not None
+                else store.dump(keys, row_buffers(rows), LAYOUT_TAG)
+            )
         except Exception as exc:  # noqa: BLE001 - a failing store never stops serving
             log.warning("ucm: dump for request %s failed: %s", req_id, exc)
             self.stats.add_cause("dump_errors", "unavailable", len(items))
@@ -384,7 +398,8 @@ class WorkerSide:
             if announced:
                 self.reports.dumped(names, [False] * len(names))
             return
-        task.add_done_callback(lambda _task: self.rows.give(rows))
+        if rows:
+            task.add_done_callback(lambda _task: self.rows.give(rows))
         if announced:
             task.add_done_callback(
                 lambda done: self.reports.dumped(
@@ -392,7 +407,34 @@ class WorkerSide:
                 )
             )
         self.tracker.submit(req_id, task)
-        self.stats.add(dumped_bytes=sum(r.numel() for r in rows))
+        self.stats.add(dumped_bytes=nbytes * len(items))
+
+    def _open_writes(self, store: Store, keys: list[bytes], nbytes: int) -> SlotWrites | None:
+        """Room in the store's own memory for the blocks, where it has some and the cache is
+        on the CPU; None: they go through host rows.  (A GPU copies only into pinned memory,
+        which the store's is not: through rows there.)"""
+        if self.stager.device.type != "cpu":
+            return None
+        try:
+            return store.open_writes(keys, nbytes, LAYOUT_TAG)
+        except Exception as exc:  # noqa: BLE001 - the dump that follows reports the store
+            log.debug("ucm: no room to write in place (%s)", exc)
+            return None
+
+    def _gather_into(self, writes: SlotWrites, group: int, items: list[Item]) -> None:
+        """Gather the blocks straight into the store's room (one copy, no host row)."""
+        at = [p for p, view in enumerate(writes.views) if view is not None]
+        try:
+            if at:
+                self.stager.dump(
+                    self.caches[group],
+                    [items[p].block_ids for p in at],
+                    [torch.frombuffer(writes.views[p], dtype=torch.uint8) for p in at],  # type: ignore[call-overload]
+                    null_block_id=NULL_BLOCK,
+                ).wait()
+        except BaseException:
+            writes.abort()
+            raise
 
     def take_reports(self) -> list[Report]:
         """What this rank stored or dropped (found corrupt, or evicted) since the last

@@ -22,6 +22,7 @@ from ucm.core.keys import KEY_BYTES
 from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.payload import Payload, as_payload
 from ucm.core.store.task import KeyResult, Task
+from ucm.core.store.writes import SlotWrites
 
 
 @attrs.frozen
@@ -116,6 +117,14 @@ class Store(abc.ABC):
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
         """Fill each buffer (or list of buffers, in order) with its key's block; the size must
         equal the block's."""
+
+    def open_writes(
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+    ) -> SlotWrites | None:
+        """Room in this store's memory for the blocks of ``keys`` (``nbytes`` each), to be
+        written in place and then committed (:mod:`.writes`); None where this store has no
+        such memory, or none now: the caller dumps buffers instead."""
+        return None
 
     def wait(self, task: Task, timeout: float | None = None) -> list[KeyResult]:
         """Per-key results; ``TimeoutError`` if the task is not done within ``timeout``."""

@@ -4,8 +4,11 @@ For each block size, the same bytes go through
   * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
   * raw O_DIRECT file I/O and the posix store with ``o_direct``;
   * memcpy into and out of pre-faulted memory, the dram store (scope process), the dram
-    store in shared memory (scope host, what vLLM uses), and that store's floor: its copy
-    threads hashing and copying the blocks with no store around them ("sealed copies");
+    store in shared memory (scope host, what vLLM uses), that store written in place (the
+    caller copies each block into the slot the store hands out, as vLLM's worker gathers
+    into it, and the store seals and publishes: "dram in place"), and that store's floor:
+    its copy threads hashing and copying the blocks with no store around them ("sealed
+    copies");
   * with ``--kind mooncake``: Mooncake's own client (``batch_put_from`` /
     ``batch_get_into``, in batches as large as the store's) and the mooncake store, each on
     a master and a segment server started for the run (or both on ``--master``);
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 from ucm.core.cli import CliError
 from ucm.core.config import (
@@ -108,6 +112,39 @@ def through_store(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, 
     t_dump = time.perf_counter() - t0
     t0 = time.perf_counter()
     for s in range(0, n, BATCH):  # a batch's buffers are distinct: loads run concurrently
+        batch = keys[s : s + BATCH]
+        bad = [r for r in store.wait(store.load(batch, dsts[: len(batch)])) if not r.ok]
+        if bad:
+            raise RuntimeError(f"load failed: {bad[0]}")
+    t_load = time.perf_counter() - t0
+    store.remove(keys)
+    return t_dump, t_load
+
+
+def written_in_place(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+    """Seconds to write ``n`` buffers into the store's own memory (``open_writes``: the
+    caller copies each block into its slot, as an engine's gather kernel does, and the store
+    seals and publishes them) and to load them back (as :func:`through_store`)."""
+    keys = [os.urandom(16) for _ in range(n)]
+    size = len(srcs[0])
+    t0 = time.perf_counter()
+    tasks = []
+    for s in range(0, n, BATCH):
+        writes = store.open_writes(keys[s : s + BATCH], size)
+        if writes is None:
+            raise RuntimeError("the store gave no room to write in place")
+        for i, view in enumerate(writes.views, s):
+            if view is not None:  # numpy's copy releases the GIL, as a kernel's does
+                src = np.frombuffer(srcs[i % len(srcs)], np.uint8)
+                np.copyto(np.frombuffer(view, np.uint8), src)
+        tasks.append(writes.commit())
+    for task in tasks:
+        bad = [r for r in store.wait(task) if not r.ok]
+        if bad:
+            raise RuntimeError(f"write in place failed: {bad[0]}")
+    t_dump = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in range(0, n, BATCH):
         batch = keys[s : s + BATCH]
         bad = [r for r in store.wait(store.load(batch, dsts[: len(batch)])) if not r.ok]
         if bad:
@@ -342,6 +379,11 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
                     ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
                     ("dram shared", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
+                    (
+                        "dram in place",
+                        lambda: written_in_place(shared, srcs, dsts, n),
+                        "memcpy",
+                    ),
                     (
                         "sealed copies",
                         lambda: _sealed_copies(srcs, pool, dsts, n, shared.config.threads),

@@ -45,6 +45,7 @@ from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder, nearest_existing
 from ucm.core.store.payload import Payload
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
+from ucm.core.store.writes import SlotWrites
 
 log = logging.getLogger(__name__)
 
@@ -178,29 +179,52 @@ class SharedMemoryStore(Store):
             len(keys), self._dump_chunk, arena, keys, payloads, _layout_word(layout)
         )
 
-    def _spread(self, n: int, run: Any, *args: Any) -> Task:
-        """A task over ``n`` keys dealt out to the copy threads, each running its share in
-        chunks of :data:`CHUNK` keys as ``run(task, chunk, *args)`` (a chunk's results)."""
+    def _spread(
+        self,
+        n: int,
+        run: Any,
+        *args: Any,
+        settled: list[KeyResult | None] | None = None,
+        undo: Any = None,
+    ) -> Task:
+        """A task over ``n`` keys, those with a result in ``settled`` done at once, the
+        others dealt out to the copy threads, each running its share in chunks of
+        :data:`CHUNK` keys as ``run(task, chunk, *args)`` (a chunk's results)."""
         task = Task(n)
-        threads = min(self.config.threads, -(-n // CHUNK))
+        todo: Sequence[int] = range(n)
+        if settled is not None:
+            done = [i for i, r in enumerate(settled) if r is not None]
+            task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
+            todo = [i for i, r in enumerate(settled) if r is None]
+        threads = min(self.config.threads, -(-len(todo) // CHUNK))
         for k in range(threads):
-            self._pool.submit(self._run_chunks, task, range(k, n, threads), run, args)
+            self._pool.submit(self._run_chunks, task, todo[k::threads], run, args, undo)
         return task
 
     @staticmethod
-    def _run_chunks(task: Task, share: range, run: Any, args: tuple[Any, ...]) -> None:
+    def _run_chunks(
+        task: Task, share: Sequence[int], run: Any, args: tuple[Any, ...], undo: Any = None
+    ) -> None:
         # A thread takes its slots or pins a chunk at a time, under the arena's lock, while
         # the other threads copy: the bookkeeping of one overlaps the copies of another (all
         # of it up front, on the caller's thread, kept the copy threads waiting for half the
         # time at 256 KiB blocks).  A chunk not started when the task is cancelled is not.
         for c in range(0, len(share), CHUNK):
             chunk = share[c : c + CHUNK]
-            task.run_keys(chunk, lambda chunk=chunk: run(task, chunk, *args))  # type: ignore[misc]
+            ran: list[Sequence[int]] = []
+
+            def work(chunk: Sequence[int] = chunk, ran: list[Sequence[int]] = ran) -> Any:
+                ran.append(chunk)
+                return run(task, chunk, *args)
+
+            task.run_keys(chunk, work)
+            if not ran and undo is not None:
+                undo(chunk, *args)  # what the chunk held before it started goes back
 
     def _dump_chunk(
         self,
         task: Task,
-        chunk: range,
+        chunk: Sequence[int],
         arena: Arena,
         keys: Sequence[bytes],
         payloads: list[Payload],
@@ -211,34 +235,71 @@ class SharedMemoryStore(Store):
             reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
         except ArenaBusy as exc:
             return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
-        results: list[KeyResult] = []
-        written: list[tuple[int, int, int, int, bytes]] = []  # each reserved slot, once
-        names: list[tuple[int, int]] = []
+        results = _settled(reserved)
+        slotted = [j for j, r in enumerate(results) if r is None]
+        # each slot taken is published, or given back (length -1) where it was not filled
+        written = [(*reserved[j], -1, 0, b"") for j in slotted]
         try:
-            for i, name, got in zip(chunk, words, reserved):
-                if got is True or got is False:  # stored already / no slot could be freed
-                    results.append(OK if got else _FULL)
-                    continue
-                slot, gen = got
-                names.append(name)
-                written.append((slot, gen, -1, 0, b""))  # given back unless filled
+            for w, j in enumerate(slotted):
+                i, name, (slot, gen) = chunk[j], words[j], reserved[j]
                 try:
                     parts = payloads[i].parts
                     dst = arena.slot(slot, payloads[i].nbytes)
                     seal = move_sealed(self._signer, name, layout_word, parts, dst, into=True)
                 except (TypeError, ValueError) as exc:
-                    results.append(KeyResult(Status.ERROR, str(exc)))
+                    results[j] = KeyResult(Status.ERROR, str(exc))
                     continue
                 if task.cancelled:
-                    results.append(CANCELLED)  # a dump cancelled mid-way is not published
+                    results[j] = CANCELLED  # a dump cancelled mid-way is not published
                     continue
-                written[-1] = (slot, gen, dst.nbytes, layout_word, seal)
-                results.append(OK)
-        finally:  # every slot taken is published or given back, whatever happened
-            published = iter(self._publish(arena, written, names))
+                written[w] = (slot, gen, dst.nbytes, layout_word, seal)
+                results[j] = OK
+        finally:  # whatever happened
+            published = self._publish(arena, written, [words[j] for j in slotted])
+        for j, done in zip(slotted, published):
+            if results[j] is OK and not done:
+                results[j] = _LOST
+        return results  # type: ignore[return-value]
+
+    # -- writes in place --
+
+    def open_writes(
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+    ) -> SlotWrites | None:
+        check_keys(keys)
+        try:
+            arena = self._arena_for(nbytes)
+            words = self._words(keys)
+            reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
+        except (ConfigError, ArenaBusy) as exc:
+            log.debug("ucm dram store: no room to write in place (%s)", exc)
+            return None  # the caller dumps, and the dump reports what is wrong
+        views = [None if isinstance(got, bool) else arena.slot(got[0], nbytes) for got in reserved]
+        return _ArenaWrites(self, arena, words, reserved, views, _layout_word(layout))
+
+    def _seal_chunk(
+        self,
+        task: Task,
+        chunk: Sequence[int],
+        arena: Arena,
+        words: list[tuple[int, int]],
+        reserved: list[Any],
+        views: list[memoryview],
+        layout_word: int,
+    ) -> list[KeyResult]:
+        """Seal and publish the blocks written in place into a chunk's slots."""
+        written = [(*reserved[i], -1, 0, b"") for i in chunk]  # given back unless sealed
+        try:
+            for w, i in enumerate(chunk):
+                if task.cancelled:
+                    break
+                view = views[i]
+                seal = move_sealed(self._signer, words[i], layout_word, (), view, into=False)
+                written[w] = (*reserved[i], view.nbytes, layout_word, seal)
+        finally:  # whatever happened
+            published = self._publish(arena, written, [words[i] for i in chunk])
         return [
-            r if got is True or got is False or (next(published) or not r.ok) else _LOST
-            for r, got in zip(results, reserved)
+            OK if done else CANCELLED if w[2] < 0 else _LOST for w, done in zip(written, published)
         ]
 
     @staticmethod
@@ -265,7 +326,7 @@ class SharedMemoryStore(Store):
     def _load_chunk(
         self,
         task: Task,
-        chunk: range,
+        chunk: Sequence[int],
         arena: Arena,
         keys: Sequence[bytes],
         payloads: list[Payload],
@@ -362,7 +423,59 @@ class SharedMemoryStore(Store):
             self._arena.close()
 
 
+class _ArenaWrites(SlotWrites):
+    """Slots of the arena reserved for a batch (see :meth:`SharedMemoryStore.open_writes`)."""
+
+    def __init__(
+        self,
+        store: SharedMemoryStore,
+        arena: Arena,
+        words: list[tuple[int, int]],
+        reserved: list[Any],
+        views: list[memoryview | None],
+        layout_word: int,
+    ) -> None:
+        self.views = views
+        self._store = store
+        self._arena = arena
+        self._words = words
+        self._reserved = reserved
+        self._layout_word = layout_word
+        self._ended = False
+
+    def _end(self) -> None:
+        if self._ended:
+            raise RuntimeError("these writes were committed or aborted already")
+        self._ended = True
+
+    def commit(self) -> Task:
+        self._end()
+        settled = _settled(self._reserved)
+        return self._store._spread(
+            len(self._reserved), self._store._seal_chunk, self._arena, self._words,
+            self._reserved, self.views, self._layout_word, settled=settled,
+            undo=self._give_back,
+        )  # fmt: skip
+
+    def abort(self) -> None:
+        self._end()
+        self._give_back([i for i, got in enumerate(self._reserved) if not isinstance(got, bool)])
+
+    def _give_back(self, slotted: Sequence[int], *_: Any) -> None:
+        written = [(*self._reserved[i], -1, 0, b"") for i in slotted]
+        self._store._publish(self._arena, written, [self._words[i] for i in slotted])
+
+
 _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")
+
+
+def _settled(reserved: list[Any]) -> list[KeyResult | None]:
+    """Per key of a reservation, its result where it has no slot to fill: ``True`` (stored
+    already, or twice in the batch) is ``OK``, ``False`` (no slot could be freed) an error;
+    None where it has one."""
+    return [OK if got is True else _FULL if got is False else None for got in reserved]
+
+
 _LOST = KeyResult(Status.ERROR, "the slot was reclaimed before the block was published")
 
 

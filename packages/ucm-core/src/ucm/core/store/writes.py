@@ -1,0 +1,38 @@
+"""Writes in place: blocks an engine copies straight into a store's memory.
+
+A store that keeps its blocks in this host's memory (the dram store of scope ``host``) can
+hand out the memory a batch's blocks will live in.  The engine's copy kernel gathers its
+cache blocks there, and the store only seals and publishes them: one copy of each block
+instead of two (into a staging row, then the store's copy into its own memory), and none of
+the store's copying on its threads.
+
+The room is reserved as a dump's is, so nothing changes for a reader: a block is published
+only once sealed (a writer killed while its kernel runs leaves slots nobody reads, reclaimed
+when their lease ends), and it is checked on every load.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from ucm.core.store.task import Task
+
+
+class SlotWrites(abc.ABC):
+    """Room reserved for a batch of blocks.
+
+    ``views[i]`` is where key ``i``'s block goes, as many bytes as were asked for; ``None``
+    where there is nothing to write: :meth:`commit` then gives that key's result (stored
+    already: ``OK``; no room: an error).  The caller fills the views, then calls exactly one
+    of :meth:`commit` and :meth:`abort`, and never touches a view afterwards."""
+
+    views: list[memoryview | None]
+
+    @abc.abstractmethod
+    def commit(self) -> Task:
+        """Seal and publish what the views hold, on the store's threads: one result per key,
+        as a dump's."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Give the room back unwritten (the copy into it failed)."""

@@ -1,0 +1,162 @@
+"""Writes in place: an engine copies its blocks straight into the host dram store's slots,
+and the store seals and publishes them (``Store.open_writes``).
+
+What a reader sees must not change: a block is there only once committed and sealed, it is
+checked on every load, and room not committed goes back.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from ucm.core.store import SharedMemoryStore, Status, create_store
+from ucm.core.store.writes import SlotWrites
+from ucm.lab.testing.core import blob, flip_shared_block_byte, key
+
+SIZE = 40_000
+
+
+def _store(shm_dir, **settings):
+    store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125, **settings})
+    assert isinstance(store, SharedMemoryStore)
+    return store
+
+
+def _fill(writes: SlotWrites, ids) -> None:
+    for view, i in zip(writes.views, ids):
+        if view is not None:
+            np.frombuffer(view, np.uint8)[:] = blob(i, SIZE)
+
+
+def _loaded(store, ids):
+    out = [np.zeros(SIZE, np.uint8) for _ in ids]
+    results = store.wait(store.load([key(i) for i in ids], out, b"tag"))
+    return results, out
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_blocks_written_in_place_load_as_if_dumped(shm_dir, monkeypatch, signed):
+    monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
+    store = _store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
+    ids = list(range(40))  # more than a chunk per copy thread
+    writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
+    assert writes is not None and all(v is not None and v.nbytes == SIZE for v in writes.views)
+    assert store.lookup_prefix([key(i) for i in ids]) == 0  # nothing before the commit
+    _fill(writes, ids)
+    assert all(r.ok for r in store.wait(writes.commit()))
+    results, out = _loaded(store, ids)
+    assert all(r.ok for r in results)
+    for i, got in zip(ids, out):
+        np.testing.assert_array_equal(got, blob(i, SIZE))
+    # the layout is sealed with the block, as a dump's
+    assert store.wait(store.load([key(0)], [np.zeros(SIZE, np.uint8)], b"other"))[0].status is (
+        Status.ERROR
+    )
+    store.close()
+
+
+def test_keys_stored_already_get_no_room_and_count_as_stored(shm_dir):
+    store = _store(shm_dir)
+    assert store.wait(store.dump([key(1)], [blob(1, SIZE)], b"tag"))[0].ok
+    writes = store.open_writes([key(1), key(2), key(2)], SIZE, b"tag")
+    assert writes is not None
+    assert writes.views[0] is None and writes.views[1] is not None and writes.views[2] is None
+    _fill(writes, [1, 2, 2])
+    assert [r.status for r in store.wait(writes.commit())] == [Status.OK] * 3
+    results, out = _loaded(store, [1, 2])
+    assert all(r.ok for r in results)
+    np.testing.assert_array_equal(out[1], blob(2, SIZE))
+    with pytest.raises(RuntimeError):
+        writes.commit()  # once
+    store.close()
+
+
+def test_aborted_writes_leave_nothing_and_give_their_room_back(shm_dir):
+    store = _store(shm_dir)
+    free = store._arena_for(SIZE).stats()["free_slots"]
+    writes = store.open_writes([key(i) for i in range(5)], SIZE, b"tag")
+    assert writes is not None
+    assert store._arena.stats()["free_slots"] == free - 5
+    _fill(writes, range(5))
+    writes.abort()
+    assert store._arena.stats()["free_slots"] == free
+    assert store.lookup([key(i) for i in range(5)]) == [False] * 5
+    store.close()
+
+
+def test_a_cancelled_commit_publishes_nothing_it_had_not_sealed(shm_dir):
+    store = _store(shm_dir)
+    ids = list(range(64))
+    writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
+    _fill(writes, ids)
+    task = writes.commit()
+    task.cancel(wait=None)
+    results = store.wait(task)
+    stored = store.lookup([key(i) for i in ids])
+    assert [r.ok for r in results] == stored  # what it says is what a reader finds
+    assert all(r.ok or r.status is Status.CANCELLED for r in results)
+    assert store._arena.stats()["writing"] == 0  # the rest went back
+    store.close()
+
+
+def test_a_block_changed_after_its_commit_fails_its_check(shm_dir):
+    store = _store(shm_dir)
+    writes = store.open_writes([key(1)], SIZE, b"tag")
+    _fill(writes, [1])
+    assert store.wait(writes.commit())[0].ok
+    flip_shared_block_byte(shm_dir, key(1))
+    assert _loaded(store, [1])[0][0].status is Status.CORRUPT
+    store.close()
+
+
+def test_more_blocks_than_room_are_refused_per_key(shm_dir):
+    store = _store(shm_dir, capacity_gb=4 * SIZE / 2**30)  # room for a few blocks
+    ids = list(range(40))
+    writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
+    assert writes is not None
+    _fill(writes, ids)  # a batch larger than the room evicts its own first blocks
+    results = store.wait(writes.commit())
+    assert any(r.ok for r in results)
+    loaded, out = _loaded(store, [i for i, r in zip(ids, results) if r.ok])
+    for i, got, r in zip(ids, out, loaded):
+        assert not r.ok or np.array_equal(got, blob(i, SIZE))
+    store.close()
+
+
+def test_a_block_too_large_for_the_slots_gets_no_room(shm_dir):
+    store = _store(shm_dir)
+    assert store.wait(store.dump([key(1)], [blob(1, SIZE)]))[0].ok  # slots of SIZE bytes
+    assert store.open_writes([key(2)], 4 * SIZE) is None  # the dump path reports why
+    store.close()
+
+
+KILLED = """
+import os, sys
+import numpy as np
+from ucm.core.store import create_store
+from ucm.lab.testing.core import blob, key
+
+store = create_store({"kind": "dram", "path": sys.argv[1], "capacity_gb": 0.03125})
+writes = store.open_writes([key(i) for i in range(4)], 40_000, b"tag")
+for i, view in enumerate(writes.views):
+    np.frombuffer(view, np.uint8)[:] = blob(i, 40_000)
+os._exit(0)  # killed before its commit
+"""
+
+
+def test_a_writer_killed_before_its_commit_leaves_nothing_a_reader_takes(shm_dir):
+    store = _store(shm_dir)
+    done = subprocess.run([sys.executable, "-c", KILLED, str(shm_dir)], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
+    assert store.lookup([key(i) for i in range(4)]) == [False] * 4
+    results, _ = _loaded(store, range(4))
+    assert all(r.status is Status.MISS for r in results)
+    store.close()
+
+
+def test_stores_without_memory_of_their_own_offer_no_room(tmp_path):
+    with create_store({"kind": "posix", "path": str(tmp_path / "p")}) as posix:
+        assert posix.open_writes([key(1)], SIZE) is None
