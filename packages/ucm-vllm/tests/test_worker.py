@@ -302,24 +302,41 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path):
+@pytest.mark.parametrize("engine_blocks", [1, 8], ids=["one-engine-block", "eight-small"])
+def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, engine_blocks):
     # A dram store hands out its slots (Store.open_writes): the blocks of a CPU cache are
-    # gathered there, with no host row, and sealed by the store; another worker loads them
-    # back through rows (async) and they are the blocks dumped.
+    # gathered there and sealed by the store, with no host row, where each block is a run of
+    # the cache's memory (one engine block).  Small blocks of several engine blocks go
+    # through rows of one allocation instead (one kernel call a step, not one a block).
+    # Either way another worker loads them back (async, through rows) as they were dumped.
     from ucm.core.config import DramStoreConfig
     from ucm.core.store import SharedMemoryStore
 
+    layout = ModelLayout(
+        fingerprint="m", block_tokens=32 * engine_blocks, rank=0, world_size=1, groups=(GROUP,)
+    )
+    chain = block_keys(layout.chain_namespace(None), list(range(1024)), 32 * engine_blocks)
+    items = [
+        Item(0, k, chain[k], list(range(1 + engine_blocks * k, 1 + engine_blocks * (k + 1))))
+        for k in range(3)
+    ]
     config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
-    items = chain_items(3)
-    writer, stored = worker_on(SharedMemoryStore(config), seed=0)
 
-    def no_rows(*args, **kwargs):
-        raise AssertionError("a dump to host memory took a host row")
+    def worker(seed):
+        side = WorkerSide(layout, ConnectorStores(SharedMemoryStore(config), None), 1)
+        torch.manual_seed(seed)
+        cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
+        side.register_kv_caches({LAYER: cache})
+        return side, cache
 
-    writer.rows.take = no_rows
+    writer, stored = worker(0)
+    taken = []
+    take = writer.rows.take
+    writer.rows.take = lambda *a, **kw: taken.append(a) or take(*a, **kw)
     writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
     finish_dumps(writer, "cold")
     assert writer.tracker.counts.ok == 3
+    assert bool(taken) is (engine_blocks > 1)
     # dumped again (another request with the same prefix): stored already, nothing written
     writer.wait_for_save(StepPlan(dumps=[Transfer("again", items)], delayed=["again"]))
     finish_dumps(writer, "again")
@@ -327,7 +344,7 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path):
     assert writer.stores.full.usage().blocks == 3
     writer.shutdown()
 
-    reader, cache = worker_on(SharedMemoryStore(config), seed=1)
+    reader, cache = worker(1)
     targets = [Item(0, it.key, it.chain_key, [b + 12 for b in it.block_ids]) for it in items]
     reader.start_load_kv(StepPlan(loads=[Transfer("warm", targets)]))
     deadline = time.monotonic() + 30
@@ -336,7 +353,8 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path):
         recving |= reader.get_transfer_results(set())[1]
         time.sleep(0.01)
     assert reader.take_load_errors() == set()
-    assert torch.equal(cache[13:37], stored[1:25])
+    n = 3 * engine_blocks
+    assert torch.equal(cache[13 : 13 + n], stored[1 : 1 + n])
     reader.shutdown()
 
 

@@ -55,6 +55,13 @@ from ucm.vllm.transfers import NULL_BLOCK, Item, Report, StepPlan, Transfer
 log = logging.getLogger(__name__)
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
 
+# A block whose payload is not a run of the cache's memory per cache tensor (several engine
+# blocks of a cache with several heads) is gathered by one kernel call per block and cache
+# tensor into rows of its own, against one per step into host rows of one allocation: below
+# this size, rows are faster (256 blocks of 512 KiB, 8 layers: 30 ms into rows, 190 ms in
+# place); above it, writing in place is (4 MiB: 2.2 times faster, no fresh row memory).
+IN_PLACE_MIN_BYTES = 1 << 20
+
 # Sync loads are read and scattered in pieces of about this size, so that the reads of one
 # piece overlap the scatter of the previous one.
 PIECE_BYTES = 16 << 20
@@ -370,7 +377,7 @@ class WorkerSide:
         nbytes = self._item_bytes(items[0])
         keys = self._keys(items)
         # Gathered now, and waited for: the engine may reuse the blocks once this step ends.
-        writes = self._open_writes(store, keys, nbytes)
+        writes = self._open_writes(store, keys, nbytes, items)
         rows: list[torch.Tensor] = []
         if writes is not None:
             self._gather_into(writes, group, items)
@@ -409,11 +416,15 @@ class WorkerSide:
         self.tracker.submit(req_id, task)
         self.stats.add(dumped_bytes=nbytes * len(items))
 
-    def _open_writes(self, store: Store, keys: list[bytes], nbytes: int) -> SlotWrites | None:
-        """Room in the store's own memory for the blocks, where it has some and the cache is
-        on the CPU; None: they go through host rows.  (A GPU copies only into pinned memory,
-        which the store's is not: through rows there.)"""
+    def _open_writes(
+        self, store: Store, keys: list[bytes], nbytes: int, items: list[Item]
+    ) -> SlotWrites | None:
+        """Room in the store's own memory for the blocks, where it has some, the cache is on
+        the CPU and the gather into it is not slower than into rows; None: they go through
+        host rows.  (A GPU copies only into pinned memory, which the store's is not.)"""
         if self.stager.device.type != "cpu":
+            return None
+        if nbytes < IN_PLACE_MIN_BYTES and self._segments(items) is None:
             return None
         try:
             return store.open_writes(keys, nbytes, LAYOUT_TAG)
