@@ -89,7 +89,7 @@ def test_aborted_writes_leave_nothing_and_give_their_room_back(shm_dir):
 
 def test_a_cancelled_commit_publishes_nothing_it_had_not_sealed(shm_dir):
     store = _store(shm_dir)
-    ids = list(range(64))
+    ids = list(range(256))  # several chunks a copy thread: the later ones never start
     writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
     _fill(writes, ids)
     task = writes.commit()
@@ -160,3 +160,48 @@ def test_a_writer_killed_before_its_commit_leaves_nothing_a_reader_takes(shm_dir
 def test_stores_without_memory_of_their_own_offer_no_room(tmp_path):
     with create_store({"kind": "posix", "path": str(tmp_path / "p")}) as posix:
         assert posix.open_writes([key(1)], SIZE) is None
+
+
+def _tiered(shm_dir, tmp_path, write_behind_bytes):
+    from ucm.core.config import DramStoreConfig, PosixStoreConfig
+    from ucm.core.store import PosixStore, TieredStore
+
+    front = SharedMemoryStore(DramStoreConfig(path=str(shm_dir), capacity_gb=0.03125))
+    backing = PosixStore(PosixStoreConfig(path=str(tmp_path / "below")))
+    return TieredStore(front, backing, write_behind_bytes=write_behind_bytes)
+
+
+def test_a_tiered_store_takes_writes_in_place_and_they_go_below_behind(shm_dir, tmp_path):
+    tiered = _tiered(shm_dir, tmp_path, write_behind_bytes=1 << 20)
+    ids = list(range(6))
+    writes = tiered.open_writes([key(i) for i in ids], SIZE, b"tag")
+    assert writes is not None
+    _fill(writes, ids)
+    assert all(r.ok for r in tiered.wait(writes.commit(), 10))
+    assert tiered.front.lookup([key(i) for i in ids]) == [True] * 6
+    assert tiered.behind.drain(10)
+    results, out = _loaded(tiered.backing, ids)  # the backing store's own copies
+    assert all(r.ok for r in results)
+    for i, got in zip(ids, out):
+        np.testing.assert_array_equal(got, blob(i, SIZE))
+    tiered.close()
+
+
+def test_past_the_write_behind_budget_a_commit_waits_for_the_copy_below(shm_dir, tmp_path):
+    tiered = _tiered(shm_dir, tmp_path, write_behind_bytes=SIZE)  # room for one block behind
+    ids = list(range(5))
+    writes = tiered.open_writes([key(i) for i in ids], SIZE, b"tag")
+    _fill(writes, ids)
+    assert all(r.ok for r in tiered.wait(writes.commit(), 10))
+    # done only once the backing store holds them: read back from the local tier
+    assert tiered.backing.lookup([key(i) for i in ids]) == [True] * 5
+    results, out = _loaded(tiered.backing, ids)
+    assert all(r.ok for r in results)
+    np.testing.assert_array_equal(out[4], blob(4, SIZE))
+    tiered.close()
+
+
+def test_a_tiered_store_without_write_behind_offers_no_room(shm_dir, tmp_path):
+    tiered = _tiered(shm_dir, tmp_path, write_behind_bytes=None)  # every dump written through
+    assert tiered.open_writes([key(1)], SIZE) is None
+    tiered.close()

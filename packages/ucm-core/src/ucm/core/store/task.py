@@ -116,14 +116,26 @@ class Task:
         result: a bug in one key must not leave the task hanging."""
         self.run_keys((index,), lambda: (work(),))
 
-    def run_keys(self, indices: Sequence[int], work: Callable[[], Sequence[KeyResult]]) -> None:
+    def run_keys(
+        self,
+        indices: Sequence[int],
+        work: Callable[[], Sequence[KeyResult]],
+        skipped: Callable[[], Any] | None = None,
+    ) -> None:
         """:meth:`run_key` for several keys moved by one call (``work()`` returns their
-        results in order)."""
+        results in order).  ``skipped()``, where given, runs instead of ``work`` once the
+        task is cancelled, before the keys finish as ``CANCELLED``: it lets go of what the
+        keys held (a caller that sees the task done finds it let go)."""
         with self._lock:
             start = not self._cancelled
             if start:
                 self._busy += 1
         if not start:
+            if skipped is not None:
+                try:
+                    skipped()
+                except Exception:
+                    log.exception("ucm store: unexpected failure letting go of a cancelled key")
             self.set_results(indices, [CANCELLED] * len(indices))
             return
         try:

@@ -42,7 +42,7 @@ from ucm.core.config import (
     default_store_path,
 )
 from ucm.core.settings import GIB
-from ucm.core.store import DramStore, PosixStore, SharedMemoryStore, Store
+from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
 from ucm.core.store.dram.shared import move_sealed
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
@@ -99,59 +99,56 @@ def raw_read(path: str, dsts: list, n: int, direct: bool) -> float:
 
 def through_store(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
     """Seconds to dump ``n`` buffers through ``store`` and load them back."""
-    keys = [os.urandom(16) for _ in range(n)]
-    t0 = time.perf_counter()
-    tasks = [
-        store.dump(keys[s : s + BATCH], [srcs[i % len(srcs)] for i in range(s, min(s + BATCH, n))])
-        for s in range(0, n, BATCH)
-    ]
-    for task in tasks:
-        bad = [r for r in store.wait(task) if not r.ok]
-        if bad:
-            raise RuntimeError(f"dump failed: {bad[0]}")
-    t_dump = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for s in range(0, n, BATCH):  # a batch's buffers are distinct: loads run concurrently
-        batch = keys[s : s + BATCH]
-        bad = [r for r in store.wait(store.load(batch, dsts[: len(batch)])) if not r.ok]
-        if bad:
-            raise RuntimeError(f"load failed: {bad[0]}")
-    t_load = time.perf_counter() - t0
-    store.remove(keys)
-    return t_dump, t_load
+
+    def dump(keys: list[bytes], s: int) -> Task:
+        return store.dump(keys, [srcs[i % len(srcs)] for i in range(s, s + len(keys))])
+
+    return _round_trip(store, dump, dsts, n)
 
 
 def written_in_place(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
     """Seconds to write ``n`` buffers into the store's own memory (``open_writes``: the
     caller copies each block into its slot, as an engine's gather kernel does, and the store
     seals and publishes them) and to load them back (as :func:`through_store`)."""
-    keys = [os.urandom(16) for _ in range(n)]
     size = len(srcs[0])
-    t0 = time.perf_counter()
-    tasks = []
-    for s in range(0, n, BATCH):
-        writes = store.open_writes(keys[s : s + BATCH], size)
+
+    def write(keys: list[bytes], s: int) -> Task:
+        writes = store.open_writes(keys, size)
         if writes is None:
             raise RuntimeError("the store gave no room to write in place")
         for i, view in enumerate(writes.views, s):
             if view is not None:  # numpy's copy releases the GIL, as a kernel's does
                 src = np.frombuffer(srcs[i % len(srcs)], np.uint8)
                 np.copyto(np.frombuffer(view, np.uint8), src)
-        tasks.append(writes.commit())
+        return writes.commit()
+
+    return _round_trip(store, write, dsts, n)
+
+
+def _round_trip(
+    store: Store, write: Callable[[list[bytes], int], Task], dsts: list, n: int
+) -> tuple[float, float]:
+    """Seconds to write ``n`` blocks in batches (``write(keys, first index)``, all in flight
+    at once) and to load them back batch by batch."""
+    keys = [os.urandom(16) for _ in range(n)]
+    t0 = time.perf_counter()
+    tasks = [write(keys[s : s + BATCH], s) for s in range(0, n, BATCH)]
     for task in tasks:
-        bad = [r for r in store.wait(task) if not r.ok]
-        if bad:
-            raise RuntimeError(f"write in place failed: {bad[0]}")
+        _check(store.wait(task), "write")
     t_dump = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for s in range(0, n, BATCH):
+    for s in range(0, n, BATCH):  # a batch's buffers are distinct: loads run concurrently
         batch = keys[s : s + BATCH]
-        bad = [r for r in store.wait(store.load(batch, dsts[: len(batch)])) if not r.ok]
-        if bad:
-            raise RuntimeError(f"load failed: {bad[0]}")
+        _check(store.wait(store.load(batch, dsts[: len(batch)])), "load")
     t_load = time.perf_counter() - t0
     store.remove(keys)
     return t_dump, t_load
+
+
+def _check(results: list[KeyResult], what: str) -> None:
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"{what} failed: {bad[0]}")
 
 
 def _memcpy(srcs: list, pool: list, dsts: list, n: int) -> tuple[float, float]:

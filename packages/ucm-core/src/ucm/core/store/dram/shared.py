@@ -14,7 +14,13 @@ path to change; an arena nobody holds is replaced.
 
 Copies run on ``threads`` threads, a batch's blocks dealt out among them: numpy copies and
 xxh3 release the GIL, so one thread's hashing overlaps another's copy and the store moves
-blocks at memory speed with the checksum on.
+blocks at memory speed with the checksum on.  Each thread reserves or pins its own share, a
+chunk at a time, so the caller's thread (an engine's) only checks the batch and hands it
+over.
+
+A caller that can write blocks where they will live asks for the slots instead
+(:meth:`SharedMemoryStore.open_writes`, :mod:`ucm.core.store.writes`): it copies into them
+and commits, and the threads only seal and publish.
 """
 
 from __future__ import annotations
@@ -213,15 +219,12 @@ class SharedMemoryStore(Store):
         # time at 256 KiB blocks).  A chunk not started when the task is cancelled is not.
         for c in range(0, len(share), CHUNK):
             chunk = share[c : c + CHUNK]
-            ran: list[Sequence[int]] = []
-
-            def work(chunk: Sequence[int] = chunk, ran: list[Sequence[int]] = ran) -> Any:
-                ran.append(chunk)
-                return run(task, chunk, *args)
-
-            task.run_keys(chunk, work)
-            if not ran and undo is not None:
-                undo(chunk, *args)  # what the chunk held before it started goes back
+            task.run_keys(
+                chunk,
+                lambda chunk=chunk: run(task, chunk, *args),  # type: ignore[misc]
+                # what the chunk held before it started goes back
+                None if undo is None else lambda chunk=chunk: undo(chunk),  # type: ignore[misc]
+            )
 
     def _dump_chunk(
         self,
@@ -238,12 +241,13 @@ class SharedMemoryStore(Store):
         except ArenaBusy as exc:
             return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
         results = _settled(reserved)
+        slots: list[tuple[int, int]] = [got for got in reserved if not isinstance(got, bool)]
         slotted = [j for j, r in enumerate(results) if r is None]
         # each slot taken is published, or given back (length -1) where it was not filled
-        written = [(*reserved[j], -1, 0, b"") for j in slotted]
+        written = [(*got, -1, 0, b"") for got in slots]
         try:
-            for w, j in enumerate(slotted):
-                i, name, (slot, gen) = chunk[j], words[j], reserved[j]
+            for w, (j, (slot, gen)) in enumerate(zip(slotted, slots)):
+                i, name = chunk[j], words[j]
                 try:
                     parts = payloads[i].parts
                     dst = arena.slot(slot, payloads[i].nbytes)
@@ -463,12 +467,13 @@ class _ArenaWrites(SlotWrites):
         self._end()
         self._give_back([i for i, got in enumerate(self._reserved) if not isinstance(got, bool)])
 
-    def _give_back(self, slotted: Sequence[int], *_: Any) -> None:
+    def _give_back(self, slotted: Sequence[int]) -> None:
         written = [(*self._reserved[i], -1, 0, b"") for i in slotted]
         self._store._publish(self._arena, written, [self._words[i] for i in slotted])
 
 
 _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")
+_LOST = KeyResult(Status.ERROR, "the slot was reclaimed before the block was published")
 
 
 def _settled(reserved: list[Any]) -> list[KeyResult | None]:
@@ -476,9 +481,6 @@ def _settled(reserved: list[Any]) -> list[KeyResult | None]:
     already, or twice in the batch) is ``OK``, ``False`` (no slot could be freed) an error;
     None where it has one."""
     return [OK if got is True else _FULL if got is False else None for got in reserved]
-
-
-_LOST = KeyResult(Status.ERROR, "the slot was reclaimed before the block was published")
 
 
 def _layout_word(layout: bytes) -> int:

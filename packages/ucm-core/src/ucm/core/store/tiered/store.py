@@ -7,7 +7,9 @@ store gets its copy from the local tier afterwards, on a thread of its own
 network; past the write-behind budget, or where the local tier failed a block, the backing
 store is written from the caller's buffers and the dump waits for it (write-through).
 Loads are served by the local tier where possible; the rest come from the backing store and
-are promoted into the local tier once verified there.
+are promoted into the local tier once verified there.  Blocks written in place
+(``open_writes``, where the local tier hands out its memory and writes go behind) land in
+the local tier and go below from there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ucm.core.store.dram.process import DramStore
 from ucm.core.store.dram.shared import SharedMemoryStore
 from ucm.core.store.task import CANCELLED, KeyResult, Status, Task
 from ucm.core.store.tiered.behind import WriteBehind
+from ucm.core.store.writes import SlotWrites
 
 
 class TieredStore(Store):
@@ -74,6 +77,41 @@ class TieredStore(Store):
             below.add_done_callback(finish)
 
         local.add_done_callback(after_local)
+        return whole
+
+    def open_writes(
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+    ) -> SlotWrites | None:
+        """Room in the local tier (where it has memory to hand out).  The backing store gets
+        its copy from the local tier, as a dump's written behind: queued, or copied at once
+        when the queue is full.  Without a write-behind queue every dump is written below
+        from the caller's buffers, which a write in place does not keep: None, and the
+        caller dumps."""
+        if self.behind is None:
+            return None
+        writes = self.front.open_writes(keys, nbytes, layout)
+        return None if writes is None else _TieredWrites(self, writes, keys, nbytes, layout)
+
+    def _copy_below(self, keys: list[bytes], nbytes: int, layout: bytes) -> Task:
+        """Copy blocks the local tier holds to the backing store now: the write-through of
+        a block written in place (read back from the local tier: its only copy)."""
+        whole = Task(len(keys))
+        copies = [bytearray(nbytes) for _ in keys]  # the caller's size, not one read
+        read = self.front.load(keys, copies, layout)
+        whole.add_part(read)
+
+        def after_read(done: Task) -> None:
+            results = done.wait(0)
+            held = [i for i, r in enumerate(results) if r.ok]
+            lost = [i for i, r in enumerate(results) if not r.ok]
+            whole.set_results(lost, [results[i] for i in lost])
+            if not held:
+                return
+            below = self.backing.dump([keys[i] for i in held], [copies[i] for i in held], layout)
+            whole.add_part(below)
+            below.add_done_callback(lambda task: whole.set_results(held, task.wait(0)))
+
+        read.add_done_callback(after_read)
         return whole
 
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
@@ -181,6 +219,53 @@ class TieredStore(Store):
             self.behind.close()
         self.backing.close()
         self.front.close()
+
+
+class _TieredWrites(SlotWrites):
+    """Room in the local tier for a batch, whose blocks go below once committed."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        inner: SlotWrites,
+        keys: Sequence[bytes],
+        nbytes: int,
+        layout: bytes,
+    ) -> None:
+        self.views = inner.views
+        self._store = store
+        self._inner = inner
+        self._keys = [bytes(k) for k in keys]
+        self._nbytes = nbytes
+        self._layout = layout
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def commit(self) -> Task:
+        store, keys, nbytes, layout = self._store, self._keys, self._nbytes, self._layout
+        assert store.behind is not None
+        behind = store.behind
+        local = self._inner.commit()
+        whole = Task(len(keys))
+        whole.add_part(local)
+
+        def after_local(done: Task) -> None:
+            results = done.wait(0)
+            held = [i for i, r in enumerate(results) if r.ok]
+            queued = behind.offer([keys[i] for i in held], [nbytes] * len(held), layout)
+            # a block the local tier refused is nowhere to be copied from: its result stands
+            settled = [i for i, r in enumerate(results) if queued or not r.ok]
+            whole.set_results(settled, [results[i] for i in settled])
+            if queued or not held:
+                return
+            # the queue is full: below now, and the caller waits for it (back-pressure)
+            below = store._copy_below([keys[i] for i in held], nbytes, layout)
+            whole.add_part(below)
+            below.add_done_callback(lambda task: whole.set_results(held, task.wait(0)))
+
+        local.add_done_callback(after_local)
+        return whole
 
 
 def _after(main: Task, other: Task) -> Task:
