@@ -41,7 +41,7 @@ def _loaded(store, ids):
 def test_blocks_written_in_place_load_as_if_dumped(shm_dir, monkeypatch, signed):
     monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
     store = _store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
-    ids = list(range(40))  # more than a chunk per copy thread
+    ids = list(range(80))  # more than a chunk per copy thread
     writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
     assert writes is not None and all(v is not None and v.nbytes == SIZE for v in writes.views)
     assert store.lookup_prefix([key(i) for i in ids]) == 0  # nothing before the commit
