@@ -30,7 +30,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -193,7 +193,7 @@ class SharedMemoryStore(Store):
         run: Any,
         *args: Any,
         settled: list[KeyResult | None] | None = None,
-        undo: Any = None,
+        undo: Callable[[Sequence[int]], Any] | None = None,
     ) -> Task:
         """A task over ``n`` keys, those with a result in ``settled`` done at once, the
         others dealt out to the copy threads, each running its share in chunks of
@@ -211,7 +211,11 @@ class SharedMemoryStore(Store):
 
     @staticmethod
     def _run_chunks(
-        task: Task, share: Sequence[int], run: Any, args: tuple[Any, ...], undo: Any = None
+        task: Task,
+        share: Sequence[int],
+        run: Any,
+        args: tuple[Any, ...],
+        undo: Callable[[Sequence[int]], Any] | None = None,
     ) -> None:
         # A thread takes its slots or pins a chunk at a time, under the arena's lock, while
         # the other threads copy: the bookkeeping of one overlaps the copies of another (all
@@ -237,14 +241,14 @@ class SharedMemoryStore(Store):
     ) -> list[KeyResult]:
         words = self._words([keys[i] for i in chunk])
         try:
-            reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
+            reserved = _reserve(arena, words)
         except ArenaBusy as exc:
             return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
         results = _settled(reserved)
         slots: list[tuple[int, int]] = [got for got in reserved if not isinstance(got, bool)]
         slotted = [j for j, r in enumerate(results) if r is None]
         # each slot taken is published, or given back (length -1) where it was not filled
-        written = [(*got, -1, 0, b"") for got in slots]
+        written = [_unfilled(got) for got in slots]
         try:
             for w, (j, (slot, gen)) in enumerate(zip(slotted, slots)):
                 i, name = chunk[j], words[j]
@@ -276,7 +280,7 @@ class SharedMemoryStore(Store):
         try:
             arena = self._arena_for(nbytes)
             words = self._words(keys)
-            reserved = arena.reserve(words, max(1, arena.geometry.slots // 256))
+            reserved = _reserve(arena, words)
         except (ConfigError, ArenaBusy) as exc:
             log.debug("ucm dram store: no room to write in place (%s)", exc)
             return None  # the caller dumps, and the dump reports what is wrong
@@ -294,7 +298,7 @@ class SharedMemoryStore(Store):
         layout_word: int,
     ) -> list[KeyResult]:
         """Seal and publish the blocks written in place into a chunk's slots."""
-        written = [(*reserved[i], -1, 0, b"") for i in chunk]  # given back unless sealed
+        written = [_unfilled(reserved[i]) for i in chunk]  # given back unless sealed
         try:
             for w, i in enumerate(chunk):
                 if task.cancelled:
@@ -346,6 +350,7 @@ class SharedMemoryStore(Store):
         results: list[KeyResult] = []
         pins = [pin for pin in pinned if pin is not None]
         bad: list[Pinned] = []
+        busy: KeyResult | None = None
         try:
             for i, name, pin in zip(chunk, words, pinned):
                 if pin is None:
@@ -358,7 +363,9 @@ class SharedMemoryStore(Store):
             try:
                 kept = iter(arena.unpin(pins, bad) if pins else [])
             except ArenaBusy as exc:  # the pins' leases end by themselves
-                return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
+                busy = KeyResult(Status.ERROR, str(exc))
+        if busy is not None:
+            return [busy] * len(chunk)
         # a pin whose slot was reused meanwhile (its lease ran out): what was read is not it
         return [r if pin is None or next(kept) else MISS for r, pin in zip(results, pinned)]
 
@@ -468,12 +475,23 @@ class _ArenaWrites(SlotWrites):
         self._give_back([i for i, got in enumerate(self._reserved) if not isinstance(got, bool)])
 
     def _give_back(self, slotted: Sequence[int]) -> None:
-        written = [(*self._reserved[i], -1, 0, b"") for i in slotted]
+        written = [_unfilled(self._reserved[i]) for i in slotted]
         self._store._publish(self._arena, written, [self._words[i] for i in slotted])
 
 
 _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")
 _LOST = KeyResult(Status.ERROR, "the slot was reclaimed before the block was published")
+
+
+def _reserve(arena: Arena, words: list[tuple[int, int]]) -> list[Any]:
+    """Slots for ``words`` (see :meth:`Arena.reserve`), evicting a 256th of the arena at a
+    time when it is full."""
+    return arena.reserve(words, max(1, arena.geometry.slots // 256))
+
+
+def _unfilled(reserved: tuple[int, int]) -> tuple[int, int, int, int, bytes]:
+    """What :meth:`Arena.publish` takes to give a reserved slot back unwritten."""
+    return (*reserved, -1, 0, b"")
 
 
 def _settled(reserved: list[Any]) -> list[KeyResult | None]:

@@ -68,13 +68,7 @@ class TieredStore(Store):
             below = self.backing.dump(
                 [keys[i] for i in through], [payloads[i] for i in through], layout
             )
-            whole.add_part(below)
-
-            def finish(task: Task) -> None:
-                for i, result in zip(through, task.wait(0)):
-                    whole.set_result(i, result)
-
-            below.add_done_callback(finish)
+            _forward(whole, through, below)
 
         local.add_done_callback(after_local)
         return whole
@@ -108,8 +102,7 @@ class TieredStore(Store):
             if not held:
                 return
             below = self.backing.dump([keys[i] for i in held], [copies[i] for i in held], layout)
-            whole.add_part(below)
-            below.add_done_callback(lambda task: whole.set_results(held, task.wait(0)))
+            _forward(whole, held, below)
 
         read.add_done_callback(after_read)
         return whole
@@ -260,12 +253,16 @@ class _TieredWrites(SlotWrites):
             if queued or not held:
                 return
             # the queue is full: below now, and the caller waits for it (back-pressure)
-            below = store._copy_below([keys[i] for i in held], nbytes, layout)
-            whole.add_part(below)
-            below.add_done_callback(lambda task: whole.set_results(held, task.wait(0)))
+            _forward(whole, held, store._copy_below([keys[i] for i in held], nbytes, layout))
 
         local.add_done_callback(after_local)
         return whole
+
+
+def _forward(whole: Task, positions: list[int], part: Task) -> None:
+    """Make ``part`` a sub-task of ``whole`` whose results are ``whole``'s at ``positions``."""
+    whole.add_part(part)
+    part.add_done_callback(lambda done: whole.set_results(positions, done.wait(0)))
 
 
 def _after(main: Task, other: Task) -> Task:
