@@ -77,3 +77,38 @@ def test_cuda_refuses_pageable_buffers() -> None:
     host = alloc_host_buffers(payload_layout(caches, 2), 2, pin=False)
     with pytest.raises(ValueError, match="not pinned"):
         HostStager("cuda").dump(caches, [[1, 2], [3, 4]], host)
+
+
+def test_rows_one_after_another_in_one_allocation_move_in_one_copy() -> None:
+    # A store's slots (rows sliced from one tensor over its memory): each run of rows that
+    # follow each other is one copy call, in the order of the store blocks.
+    from ucm.kernels.staging import _runs
+
+    memory = torch.arange(64, dtype=torch.uint8)
+    other = torch.arange(8, dtype=torch.uint8)
+    rows = (memory[0:8], memory[8:16], memory[16:24], memory[40:48], memory[32:40], other)
+    runs = _runs(rows)
+    assert [(first, tuple(view.shape)) for first, view in runs] == [
+        (0, (3, 8)), (3, (1, 8)), (4, (1, 8)), (5, (1, 8))
+    ]  # fmt: skip
+    assert torch.equal(runs[0][1].reshape(-1), memory[:24])
+    assert runs[0][1].data_ptr() == memory.data_ptr()  # a view: the copy lands in the rows
+    assert torch.equal(runs[2][1][0], memory[32:40])
+
+
+def test_host_memory_is_registered_only_where_there_is_a_gpu() -> None:
+    from ucm.kernels import PinnedRegions
+
+    region = memoryview(bytearray(4096))
+    pinned = PinnedRegions()
+    assert pinned.register(region) is torch.cuda.is_available()
+    if pinned:
+        (row,) = pinned.rows([region[1024:2048], region[3072:4096]])[:1]
+        assert row.is_pinned() and row.numel() == 1024
+        # one after another in rising order: one [rows, bytes] tensor, one copy
+        rows = pinned.rows([region[0:1024], region[1024:2048], region[2048:3072]])
+        assert isinstance(rows, torch.Tensor) and rows.shape == (3, 1024) and rows.is_pinned()
+        with pytest.raises(ValueError):
+            pinned.rows([memoryview(bytearray(16))])  # not inside a registered region
+    pinned.close()
+    assert not pinned

@@ -358,6 +358,60 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     reader.shutdown()
 
 
+@pytest.mark.parametrize("sync_loads", [False, True], ids=["async", "sync"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_a_gpu_blocks_move_straight_between_the_device_and_the_host_tier(
+    shm_path, device, sync_loads
+):
+    # On a GPU the host dram store's memory is registered with the CUDA driver, so that
+    # dumps gather straight into its slots and loads scatter from the blocks it lends where
+    # they lie, checked first: no pinned row either way.  A corrupt block and every block
+    # after it are load errors; the blocks before it are the stored KV.  (On the CPU
+    # nothing is registered: a CPU cache needs no pinning.)
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore
+    from ucm.lab.testing.core import flip_shared_block_byte
+
+    config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
+    items = chain_items(4)
+
+    def worker(seed, **kw):
+        side, cache = worker_on(SharedMemoryStore(config), seed=seed, device=device, **kw)
+        taken = []
+        take = side.rows.take
+        side.rows.take = lambda *a, **k: taken.append(a) or take(*a, **k)
+        return side, cache, taken
+
+    writer, stored, taken = worker(0)
+    assert bool(writer.pinned) is (device == "cuda")
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
+    finish_dumps(writer, "cold")
+    assert writer.tracker.counts.ok == 4
+    assert bool(taken) is (device == "cpu")  # eight small engine blocks a block: rows on a CPU
+    writer.shutdown()
+    assert not writer.pinned  # unregistered before the store unmaps its memory
+    flip_shared_block_byte(shm_path, writer._keys(items[2:3])[0])
+
+    reader, cache, taken = worker(1, sync_loads=sync_loads)
+    before = cache.clone()
+    targets = [Item(0, it.key, it.chain_key, [b + 6 for b in it.block_ids]) for it in items]
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", targets)]))
+    deadline = time.monotonic() + 30
+    recving: set[str] = set()
+    while not sync_loads and "warm" not in recving and time.monotonic() < deadline:
+        recving |= reader.get_transfer_results(set())[1]
+        time.sleep(0.01)
+    assert bool(taken) is (device == "cpu")
+    assert reader.take_load_errors() == set(range(23, 39))  # blocks 2 and 3, 8 engine each
+    assert torch.equal(cache[7:23], stored[1:17])
+    assert torch.equal(cache[:7], before[:7]) and torch.equal(cache[39:], before[39:])
+    assert reader.stats.data["loaded_blocks"] == 2
+    store = reader.stores.full
+    assert store._arena.stats()["pinned"] == 0  # every loan given back
+    assert store.lookup(writer._keys(items)) == [True, True, False, True]  # the bad one dropped
+    reader.shutdown()
+
+
 def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path):
     """An in-place load whose read never finishes (memory swapped out, a stuck kernel):
     the step waits ``load_timeout_s`` for the answer and as long again for the read to

@@ -6,7 +6,8 @@ the reverse.  A Triton kernel runs on a GPU; a torch fallback runs everywhere el
 :func:`block_segments` gives a payload as views of the cache memory instead, where the
 layout makes it one (on the CPU: then a store reads and writes the caches in place).
 :class:`HostStager` moves the same payloads between a GPU and pinned host buffers on a side
-stream.
+stream; :class:`PinnedRegions` registers a store's own host memory with the CUDA driver, so
+that those copies go straight into and out of it.
 """
 
 from ucm.kernels.api import (
@@ -20,6 +21,7 @@ from ucm.kernels.api import (
     triton_available,
 )
 from ucm.kernels.layouts import logical_view
+from ucm.kernels.pinning import PinnedRegions
 from ucm.kernels.reference import gather_reference, scatter_reference
 from ucm.kernels.segments import BlockSegments, block_segments
 from ucm.kernels.spec import SUPPORTED_DTYPES, CacheSpec, PayloadLayout, make_layout
@@ -33,6 +35,7 @@ __all__ = [
     "CacheSpec",
     "HostStager",
     "PayloadLayout",
+    "PinnedRegions",
     "TransferHandle",
     "TransferPlan",
     "alloc_host_buffers",

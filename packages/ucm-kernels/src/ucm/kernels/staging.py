@@ -233,16 +233,38 @@ class HostStager:
 
 def _copy_rows(scratch: torch.Tensor, plan: TransferPlan) -> None:
     """Between the device scratch ``[S, nbytes]`` and the host payloads, in the plan's
-    direction: one copy when the host rows are evenly spaced, else one per row."""
+    direction: one copy when the host rows are evenly spaced, else one per run of rows
+    lying one after another in one allocation."""
     to_host = plan.direction == GATHER
     # Only a contiguous stacked view: a strided host destination would go through a
     # pageable temporary and lose the asynchrony.
     if plan.raw_stacked is not None and plan.raw_stacked.is_contiguous():
         pairs = [(plan.raw_stacked, scratch)]
     else:
-        pairs = list(zip(plan.raw, scratch.unbind(0)))
+        pairs = [(host, scratch[s : s + len(host)]) for s, host in _runs(plan.raw)]
     for host, dev in pairs:
         if to_host:
             host.copy_(dev, non_blocking=True)
         else:
             dev.copy_(host, non_blocking=True)
+
+
+def _runs(rows: tuple[torch.Tensor, ...]) -> list[tuple[int, torch.Tensor]]:
+    """Maximal runs of consecutive rows, each starting where the one before it ends in one
+    storage, as ``(first row, [rows, nbytes] view)``: one copy call each (a call costs the
+    driver microseconds, as long as a 256 KiB row takes to cross the link)."""
+    out: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    for s in range(1, len(rows) + 1):
+        if s < len(rows):
+            prev, row = rows[s - 1], rows[s]
+            if (
+                row.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                and row.data_ptr() == prev.data_ptr() + prev.numel()
+                and row.numel() == prev.numel()
+            ):
+                continue
+        first = rows[start]
+        out.append((start, first.as_strided((s - start, first.numel()), (first.numel(), 1))))
+        start = s
+    return out

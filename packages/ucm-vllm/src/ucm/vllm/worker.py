@@ -26,6 +26,12 @@ store keeps its blocks in this host's memory (``Store.open_writes``: the dram st
 cache is on the CPU, the blocks are gathered straight into the store's slots instead, and
 the store only seals and publishes them: one copy, no host row.
 
+On a GPU the same store's memory is registered with the CUDA driver at start-up
+(:class:`~ucm.kernels.PinnedRegions`), so that its DMA engine copies straight into it:
+dumps gather into the store's slots, and loads scatter from blocks the store lends where
+they lie (``Store.open_reads``), checked on its threads first.  Where the driver refuses
+the registration, both go through pinned host rows.
+
 This side imports no vLLM: it works on the step's plan (:mod:`ucm.vllm.transfers`) and
 torch tensors, so its data path runs wherever torch does (a GPU machine without vLLM).
 """
@@ -43,8 +49,9 @@ import torch
 from ucm.core.keys import scoped_keys
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store import KeyResult, Status, Store, Task
+from ucm.core.store.reads import SlotReads
 from ucm.core.store.writes import SlotWrites
-from ucm.kernels import BlockSegments, HostStager, block_segments, payload_nbytes
+from ucm.kernels import BlockSegments, HostStager, PinnedRegions, block_segments, payload_nbytes
 from ucm.kernels.transfer import RowPool, deferred_payloads, row_buffers, verified_prefix
 from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
@@ -74,6 +81,8 @@ class LoadJob:
     rows: list[torch.Tensor]  # one host row per item; none when read in place
     started: float
     in_place: bool = False  # read straight into the engine's blocks
+    # blocks the stores lend where they lie, copied out by the GPU: (positions, reads)
+    lent: list[tuple[list[int], SlotReads]] = attrs.field(factory=list)
 
     def done(self) -> bool:
         return all(task.done() for _, task in self.tasks)
@@ -120,6 +129,9 @@ class WorkerSide:
         self.stats = Counters()
         self._evicted_seen = 0  # the stores' eviction count when last reported
         self.in_place = False  # sync loads read straight into the cache (register_kv_caches)
+        # the stores' host memory, registered with the GPU's driver: copies go straight
+        # into and out of it (register_kv_caches)
+        self.pinned = PinnedRegions()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for group in self.layout.stored_groups:
@@ -146,6 +158,8 @@ class WorkerSide:
             and self.stores is not None
             and self.stores.full.reads_from_memory
         )
+        if device.type == "cuda" and self.stores is not None:
+            self._register_host_memory()
         # Touch the rows of a typical load now (full-attention blocks of every group),
         # rather than on the first request.
         full = [g for g in self.layout.stored_groups if g.kind == "full"]
@@ -157,6 +171,22 @@ class WorkerSide:
             count = self.staging_bytes // sum(per_block.values())
             for nbytes in per_block.values():
                 self.rows.reserve(nbytes, count)
+
+    def _register_host_memory(self) -> None:
+        """Register the stores' own host memory with the GPU's driver, all or none."""
+        assert self.stores is not None
+        stores = [self.stores.full] + ([self.stores.window] if self.stores.window else [])
+        regions = [region for store in stores for region in store.host_memory()]
+        started = time.perf_counter()
+        if regions and not all(self.pinned.register(region) for region in regions):
+            self.pinned.close()
+        if self.pinned:
+            log.info(
+                "ucm: %.1f GiB of the store's host memory registered with the GPU driver in "
+                "%.2f s: blocks are copied straight into and out of it",
+                sum(r.nbytes for r in regions) / 2**30,
+                time.perf_counter() - started,
+            )
 
     def _row_bytes(self, group: int, blocks: int) -> int:
         size = self._nbytes.get((group, blocks))
@@ -242,9 +272,14 @@ class WorkerSide:
         started = time.perf_counter()
         items = transfer.items
         segments = self._segments(items) if self.in_place else None  # sync loads only
-        rows = [] if segments is not None else self._take_rows(items)
+        lent = self._open_reads(items) if segments is None and self.pinned else None
+        rows = [] if segments is not None or lent is not None else self._take_rows(items)
         job = LoadJob(transfer, [], rows, started, in_place=segments is not None)
         if self.stores is None:
+            return job
+        if lent is not None:
+            job.lent = lent
+            job.tasks = [(positions, reads.task) for positions, reads in lent]
             return job
         stores = self.stores
         for store, positions in _positions(items, lambda it: stores.of(self._group(it))).items():
@@ -261,6 +296,66 @@ class WorkerSide:
                 continue
             job.tasks.append((positions, task))
         return job
+
+    def _open_reads(self, items: list[Item]) -> list[tuple[list[int], SlotReads]] | None:
+        """The stored blocks of ``items`` lent where they lie in the stores' registered
+        memory, per store and size; None (nothing lent) unless every store lends them."""
+        assert self.stores is not None
+        stores = self.stores
+        lent: list[tuple[list[int], SlotReads]] = []
+        by_store = _positions(
+            items, lambda it: (id(stores.of(self._group(it))), self._item_bytes(it))
+        )
+        for (_, nbytes), positions in by_store.items():
+            store = stores.of(self._group(items[positions[0]]))
+            try:
+                reads = store.open_reads(
+                    self._keys([items[p] for p in positions]), nbytes, LAYOUT_TAG
+                )
+            except Exception as exc:  # noqa: BLE001 - the load that follows reports the store
+                log.debug("ucm: no blocks lent in place (%s)", exc)
+                reads = None
+            if reads is None:
+                for _, taken in lent:
+                    taken.release()
+                return None
+            lent.append((positions, reads))
+        return lent
+
+    def _copy_lent(self, job: LoadJob, results: list[KeyResult | None]) -> list[KeyResult | None]:
+        """Scatter the checked blocks the stores lent into the engine's blocks, then give
+        them back; ``results`` with a block whose loan ran out first made a failure."""
+        items = job.transfer.items
+        ok = [p for p, r in enumerate(results) if r is not None and r.ok]
+        views = {
+            p: view for positions, reads in job.lent for p, view in zip(positions, reads.views)
+        }
+        try:
+            handles = [
+                self.stager.load(
+                    self.caches[group],
+                    [items[ok[i]].block_ids for i in at],
+                    self._host_rows([views[ok[i]] for i in at]),  # type: ignore[misc]
+                    null_block_id=NULL_BLOCK,
+                )
+                for (group, _), at in _positions([items[p] for p in ok], _shape).items()
+            ]
+            for handle in handles:
+                handle.wait()  # the blocks go back, and the forward pass reads
+        finally:  # every loan ends, whatever happened
+            held = [True] * len(items)
+            for positions, reads in job.lent:
+                for p, kept in zip(positions, reads.release()):
+                    held[p] = kept
+            job.lent = []
+        return [r if held[p] or r is None else _LOAN_ENDED for p, r in enumerate(results)]
+
+    def _host_rows(self, views: list[memoryview]) -> torch.Tensor | list[torch.Tensor]:
+        """A store's memory as host rows: on a GPU, views of its registered regions (rows
+        one after another move in one copy)."""
+        if self.pinned:
+            return self.pinned.rows(views)
+        return [torch.frombuffer(view, dtype=torch.uint8) for view in views]  # type: ignore[call-overload]
 
     def _segments(self, items: list[Item]) -> BlockSegments | None:
         """The engine blocks of ``items`` as store payloads (one group's, one engine block
@@ -296,6 +391,8 @@ class WorkerSide:
         """
         items = job.transfer.items
         results = job.results() if usable else [None] * len(items)
+        if job.lent:
+            results = self._copy_lent(job, results)
         all_ok = all(r is not None and r.ok for r in results)
         full = [p for p, it in enumerate(items) if self._full(it)]
         prefix = verified_prefix([results[p] for p in full], [items[p].key for p in full])
@@ -379,9 +476,9 @@ class WorkerSide:
         # Gathered now, and waited for: the engine may reuse the blocks once this step ends.
         writes = self._open_writes(store, keys, nbytes, items)
         rows: list[torch.Tensor] = []
-        if writes is not None:
-            self._gather_into(writes, group, items)
-        else:
+        if writes is not None and not self._gather_into(writes, group, items):
+            writes = None
+        if writes is None:
             rows = self.rows.take(nbytes, len(items))
             self.stager.dump(
                 self.caches[group], [it.block_ids for it in items], rows, null_block_id=NULL_BLOCK
@@ -419,12 +516,14 @@ class WorkerSide:
     def _open_writes(
         self, store: Store, keys: list[bytes], nbytes: int, items: list[Item]
     ) -> SlotWrites | None:
-        """Room in the store's own memory for the blocks, where it has some, the cache is on
-        the CPU and the gather into it is not slower than into rows; None: they go through
-        host rows.  (A GPU copies only into pinned memory, which the store's is not.)"""
-        if self.stager.device.type != "cpu":
-            return None
-        if nbytes < IN_PLACE_MIN_BYTES and self._segments(items) is None:
+        """Room in the store's own memory for the blocks, where it has some and the copy
+        into it is not slower than into rows (on the CPU), or the GPU's driver has it
+        registered (a GPU copies asynchronously only into pinned memory); None: they go
+        through host rows."""
+        if self.stager.device.type == "cpu":
+            if nbytes < IN_PLACE_MIN_BYTES and self._segments(items) is None:
+                return None
+        elif not self.pinned:
             return None
         try:
             return store.open_writes(keys, nbytes, LAYOUT_TAG)
@@ -432,20 +531,26 @@ class WorkerSide:
             log.debug("ucm: no room to write in place (%s)", exc)
             return None
 
-    def _gather_into(self, writes: SlotWrites, group: int, items: list[Item]) -> None:
-        """Gather the blocks straight into the store's room (one copy, no host row)."""
+    def _gather_into(self, writes: SlotWrites, group: int, items: list[Item]) -> bool:
+        """Gather the blocks straight into the store's room (one copy, no host row); False
+        (the room given back) where the copy refused it: they go through rows."""
         at = [p for p, view in enumerate(writes.views) if view is not None]
         try:
             if at:
                 self.stager.dump(
                     self.caches[group],
                     [items[p].block_ids for p in at],
-                    [torch.frombuffer(writes.views[p], dtype=torch.uint8) for p in at],  # type: ignore[call-overload]
+                    self._host_rows([writes.views[p] for p in at]),  # type: ignore[misc]
                     null_block_id=NULL_BLOCK,
                 ).wait()
+        except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)
+            writes.abort()
+            log.warning("ucm: cannot copy into the store's memory (%s): using rows", exc)
+            return False
         except BaseException:
             writes.abort()
             raise
+        return True
 
     def take_reports(self) -> list[Report]:
         """What this rank stored or dropped (found corrupt, or evicted) since the last
@@ -498,6 +603,9 @@ class WorkerSide:
 
     def _drop_load(self, job: LoadJob) -> None:
         quiet = all([task.cancel() for _, task in job.tasks])  # a list: cancel every task
+        for _, reads in job.lent:  # given back once their checks end
+            reads.release()
+        job.lent = []
         if quiet:
             self.rows.give(job.rows)
         # else reads in flight may still land in these rows: they are never reused
@@ -510,8 +618,12 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.tracker.flush_all(timeout=10.0)
+        self.pinned.close()  # before the stores unmap their memory
         if self.stores is not None:
             self.stores.close()
+
+
+_LOAN_ENDED = KeyResult(Status.ERROR, "the block's loan ran out before it was copied")
 
 
 def _load_error_cause(result: KeyResult | None, usable: bool) -> str:

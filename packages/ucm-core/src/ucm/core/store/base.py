@@ -21,6 +21,7 @@ import attrs
 from ucm.core.keys import KEY_BYTES
 from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.payload import Payload, as_payload
+from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import KeyResult, Task
 from ucm.core.store.writes import SlotWrites
 
@@ -125,6 +126,22 @@ class Store(abc.ABC):
         written in place and then committed (:mod:`.writes`); None where this store has no
         such memory, or none now: the caller dumps buffers instead."""
         return None
+
+    def open_reads(
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+    ) -> SlotReads | None:
+        """The stored blocks of ``keys`` (``nbytes`` each) lent where they lie in this
+        store's memory, checked, to be copied out by the caller and given back
+        (:mod:`.reads`); None where this store has no such memory: the caller loads into
+        buffers instead."""
+        return None
+
+    def host_memory(self) -> list[memoryview]:
+        """The host memory that :meth:`open_writes` and :meth:`open_reads` hand out views
+        of, mapped in this process, so that a GPU's driver can be told of it (registered
+        as pinned memory, its copies into and out of it run asynchronously); empty where
+        this store hands out none."""
+        return []
 
     def wait(self, task: Task, timeout: float | None = None) -> list[KeyResult]:
         """Per-key results; ``TimeoutError`` if the task is not done within ``timeout``."""

@@ -475,7 +475,9 @@ class Arena:
         lease[victims] = 0
         npc["gen"][victims] += np.uint32(1)
         top = self._sb[SB_FREE_TOP]
-        npc["free"][top : top + victims.size] = victims
+        # pushed highest first, so that a batch takes them in rising order: blocks written
+        # together then lie one after another, and a GPU copies such a run in one call
+        npc["free"][top : top + victims.size] = np.sort(victims)[::-1]
         self._sb[SB_FREE_TOP] = top + victims.size
         self._seq_end()
         self._sb[SB_EVICTED] += was_ready.size
@@ -654,6 +656,7 @@ class Arena:
         now = time.monotonic_ns()
         with self.locked(wait_s):
             self._seq_begin()
+            freed = []
             for k0, k1 in keys:
                 b = self._find(k0, k1)
                 if b < 0:
@@ -662,6 +665,8 @@ class Arena:
                 removed += 1
                 if self._pins[s] and self._lease[s] >= now:
                     continue
+                freed.append(s)
+            for s in sorted(set(freed), reverse=True):  # taken again in rising order
                 self._unindex(s)
             self._seq_end()
             self._maybe_rebuild()

@@ -20,7 +20,10 @@ over.
 
 A caller that can write blocks where they will live asks for the slots instead
 (:meth:`SharedMemoryStore.open_writes`, :mod:`ucm.core.store.writes`): it copies into them
-and commits, and the threads only seal and publish.
+and commits, and the threads only seal and publish.  One that can read them where they lie
+(a GPU's DMA engine, once the arena is registered with its driver: :meth:`host_memory`)
+borrows them (:meth:`SharedMemoryStore.open_reads`, :mod:`ucm.core.store.reads`): the
+threads only check their seals.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ucm.core.store.dram.config import DramStoreConfig
 from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder, nearest_existing
 from ucm.core.store.payload import Payload
+from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
 from ucm.core.store.writes import SlotWrites
 
@@ -378,11 +382,7 @@ class SharedMemoryStore(Store):
         layout_word: int,
     ) -> KeyResult:
         if pin.length != payload.nbytes or pin.layout != layout_word:
-            return KeyResult(
-                Status.ERROR,
-                f"stored block is {pin.length} bytes of layout {pin.layout:#x}, asked for "
-                f"{payload.nbytes} bytes of layout {layout_word:#x}",
-            )
+            return _mismatch(pin, payload.nbytes, layout_word)
         try:
             parts = payload.parts
         except (TypeError, ValueError) as exc:
@@ -390,9 +390,76 @@ class SharedMemoryStore(Store):
         src = arena.slot(pin.slot, pin.length)
         seal = move_sealed(self._signer, words, layout_word, parts, src, into=False)
         if not seal_matches(seal, pin.seal):
-            what = "MAC" if self._signer is not None else "checksum"
-            return KeyResult(Status.CORRUPT, f"the block in shared memory fails its {what}")
+            return self._corrupt()
         return OK
+
+    # -- reads in place --
+
+    def open_reads(
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+    ) -> SlotReads | None:
+        check_keys(keys)
+        arena = self._attached()
+        if arena is None or not keys:
+            return None  # the caller loads, and the load reports the misses
+        arena.map_data()
+        words = self._words(keys)
+        layout_word = _layout_word(layout)
+        try:
+            pinned = arena.pin(words)
+        except ArenaBusy as exc:
+            log.debug("ucm dram store: no blocks lent in place (%s)", exc)
+            return None
+        views: list[memoryview | None] = []
+        settled: list[KeyResult | None] = []
+        for pin in pinned:
+            if pin is None:
+                views.append(None)
+                settled.append(MISS)
+            elif pin.length != nbytes or pin.layout != layout_word:
+                views.append(None)
+                settled.append(_mismatch(pin, nbytes, layout_word))
+            else:
+                views.append(arena.slot(pin.slot, pin.length))
+                settled.append(None)
+        reads = _ArenaReads(arena, pinned, views)
+        reads.task = self._spread(
+            len(keys), self._check_chunk, arena, words, reads, layout_word, settled=settled
+        )
+        return reads
+
+    def _check_chunk(
+        self,
+        task: Task,
+        chunk: Sequence[int],
+        arena: Arena,
+        words: list[tuple[int, int]],
+        reads: _ArenaReads,
+        layout_word: int,
+    ) -> list[KeyResult]:
+        """Check the seals of a chunk of lent blocks where they lie."""
+        results = []
+        for i in chunk:
+            pin, view = reads.pinned[i], reads.views[i]
+            assert pin is not None and view is not None
+            seal = move_sealed(self._signer, words[i], layout_word, (), view, into=False)
+            if seal_matches(seal, pin.seal):
+                results.append(OK)
+            else:
+                reads.bad.append(pin)  # dropped from the store when given back
+                results.append(self._corrupt())
+        return results
+
+    def _corrupt(self) -> KeyResult:
+        what = "MAC" if self._signer is not None else "checksum"
+        return KeyResult(Status.CORRUPT, f"the block in shared memory fails its {what}")
+
+    def host_memory(self) -> list[memoryview]:
+        arena = self._attached()
+        if arena is None:
+            return []
+        arena.map_data()
+        return [] if arena.data is None else [arena.data]
 
     # -- the rest --
 
@@ -479,6 +546,40 @@ class _ArenaWrites(SlotWrites):
         self._store._publish(self._arena, written, [self._words[i] for i in slotted])
 
 
+class _ArenaReads(SlotReads):
+    """Slots of the arena pinned for a batch (see :meth:`SharedMemoryStore.open_reads`)."""
+
+    def __init__(
+        self, arena: Arena, pinned: list[Pinned | None], views: list[memoryview | None]
+    ) -> None:
+        self.views = views
+        self.pinned = pinned
+        self.bad: list[Pinned] = []  # appended to by the checks, on the store's threads
+        self._arena = arena
+        self._released = False
+
+    def release(self) -> list[bool]:
+        if self._released:
+            raise RuntimeError("these blocks were given back already")
+        self._released = True
+        if not self.task.done():
+            self.task.cancel()  # checks not started are not; the blocks go once it is done
+            self.task.add_done_callback(lambda _task: self._unpin())
+            return [False] * len(self.views)
+        held = self._unpin()
+        results = self.task.wait(0)
+        return [r.ok and h for r, h in zip(results, held)]
+
+    def _unpin(self) -> list[bool]:
+        """Per key, whether its pin held to the end (False where it had none)."""
+        pins = [pin for pin in self.pinned if pin is not None]
+        try:
+            kept = iter(self._arena.unpin(pins, self.bad) if pins else [])
+        except ArenaBusy:  # the pins' leases end by themselves
+            return [False] * len(self.pinned)
+        return [pin is not None and next(kept) for pin in self.pinned]
+
+
 _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")
 _LOST = KeyResult(Status.ERROR, "the slot was reclaimed before the block was published")
 
@@ -499,6 +600,14 @@ def _settled(reserved: list[Any]) -> list[KeyResult | None]:
     already, or twice in the batch) is ``OK``, ``False`` (no slot could be freed) an error;
     None where it has one."""
     return [OK if got is True else _FULL if got is False else None for got in reserved]
+
+
+def _mismatch(pin: Pinned, nbytes: int, layout_word: int) -> KeyResult:
+    return KeyResult(
+        Status.ERROR,
+        f"stored block is {pin.length} bytes of layout {pin.layout:#x}, asked for "
+        f"{nbytes} bytes of layout {layout_word:#x}",
+    )
 
 
 def _layout_word(layout: bytes) -> int:

@@ -21,6 +21,7 @@ from ucm.core.settings import ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.process import DramStore
 from ucm.core.store.dram.shared import SharedMemoryStore
+from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import CANCELLED, KeyResult, Status, Task
 from ucm.core.store.tiered.behind import WriteBehind
 from ucm.core.store.writes import SlotWrites
@@ -85,6 +86,18 @@ class TieredStore(Store):
             return None
         writes = self.front.open_writes(keys, nbytes, layout)
         return None if writes is None else _TieredWrites(self, writes, keys, nbytes, layout)
+
+    def open_reads(
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+    ) -> SlotReads | None:
+        """The local tier's blocks, where it holds every one of ``keys`` (a block only the
+        backing store holds is promoted by a load: None, and the caller loads)."""
+        if not keys or not all(self.front.lookup(keys)):
+            return None
+        return self.front.open_reads(keys, nbytes, layout)
+
+    def host_memory(self) -> list[memoryview]:
+        return self.front.host_memory()
 
     def _copy_below(self, keys: list[bytes], nbytes: int, layout: bytes) -> Task:
         """Copy blocks the local tier holds to the backing store now: the write-through of

@@ -1,0 +1,39 @@
+"""Reads in place: stored blocks lent where they lie, for a copy straight out of them.
+
+The mirror of :mod:`.writes`.  A store that keeps its blocks in this host's memory (the dram
+store of scope ``host``) can lend a batch's blocks where they are: it pins their slots (no
+eviction, no reuse while lent) and checks each block's seal there, and the caller copies
+them out itself, for example a GPU's DMA engine straight into the engine's cache, with no
+staging row and no copy on the store's threads.
+
+What a reader relies on does not change: a block is used only once its seal matched, and a
+block that fails it is dropped from the store when it is given back.  The slots are pinned
+under a lease (the store's own, tens of seconds); a caller that kept a block past it finds
+it out from :meth:`SlotReads.release` and must not use what it copied.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from ucm.core.store.task import Task
+
+
+class SlotReads(abc.ABC):
+    """Blocks lent for a batch of keys.
+
+    ``task``: one result per key, ``OK`` once the block in ``views[i]`` is checked (else
+    why not: a miss, a block of another size or layout, one that fails its seal).
+    ``views[i]``: key ``i``'s block, ``None`` where there is none to lend.  The caller waits
+    for ``task``, copies out of the views whose result is ``OK``, then calls
+    :meth:`release` exactly once, and never touches a view afterwards."""
+
+    views: list[memoryview | None]
+    task: Task
+
+    @abc.abstractmethod
+    def release(self) -> list[bool]:
+        """Give the blocks back.  Per key, whether its block stayed lent until now, so that
+        what was copied out of it is the block checked (False where it was not lent, where
+        its lease ran out, or where ``task`` is not done yet: then it is cancelled, and the
+        blocks go back once the checks in progress end)."""

@@ -1,0 +1,110 @@
+"""Host memory that a store owns, registered with the CUDA driver as pinned memory.
+
+A GPU's DMA engine copies asynchronously only to and from page-locked memory.  torch's
+pinned allocations are; memory another party mapped is not: the host dram store's arena, a
+file in ``/dev/shm`` that every process on the host maps.  A copy between the GPU and it
+would be staged by the driver through a pinned buffer of its own, and synchronous.  Once the
+arena is registered (``cudaHostRegister``), a device block is copied straight into the
+store's slot and out of it, with no staging row and no copy on the store's threads.
+
+Registering locks the pages in memory, the arena's whole size at once, and takes time (the
+driver walks every page): it is done once, at start-up, and undone before the memory is
+unmapped.  A registration the driver refuses (a locked-memory limit, an old driver) is
+logged, and the copies go through pinned rows as before.
+
+The store hands out a block's memory as a memoryview; :meth:`PinnedRegions.rows` turns
+those into slices of one tensor over the registered region, so that blocks lying one after
+another in it move in one DMA copy (:class:`~ucm.kernels.HostStager` merges such runs)
+rather than one copy each: a copy call costs microseconds of the driver's time, as long as
+a 256 KiB block takes to cross the link.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every CUDA context of the
+#: process, and mapped into the device's address space (a kernel may read it in place)
+_FLAGS = 0x01 | 0x02
+
+
+class PinnedRegions:
+    """Host memory regions registered with the CUDA driver, until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._addresses: list[int] = []
+        self._regions: list[torch.Tensor] = []  # one uint8 tensor over each region
+
+    def register(self, region: memoryview) -> bool:
+        """Register ``region`` (writable, mapped until :meth:`close`); whether the driver
+        took it.  False where there is no GPU."""
+        if not torch.cuda.is_available() or region.nbytes == 0:
+            return False
+        whole = torch.frombuffer(region, dtype=torch.uint8)  # type: ignore[call-overload]
+        address = whole.data_ptr()
+        try:
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(address, region.nbytes, _FLAGS)
+            )
+        except (RuntimeError, torch.cuda.CudaError) as exc:
+            log.warning(
+                "ucm: cannot register %d MiB of the store's host memory with the GPU "
+                "driver (%s): copies go through pinned rows",
+                region.nbytes >> 20,
+                exc,
+            )
+            return False
+        self._addresses.append(address)
+        self._regions.append(whole)
+        return True
+
+    def rows(self, views: list[memoryview]) -> torch.Tensor | list[torch.Tensor]:
+        """``views`` (writable, of one size, inside the registered regions) as host rows
+        for :class:`~ucm.kernels.HostStager`: one ``[len(views), nbytes]`` tensor where
+        they lie one after another in rising order (one check and one copy for the batch,
+        not one a row: a row's costs tens of microseconds of Python, longer than a 256 KiB
+        block takes to cross the link), else uint8 slices of the regions' tensors (rows
+        that follow each other still share a storage, and move in one copy)."""
+        if not views:
+            return []
+        nbytes = views[0].nbytes
+        addresses = [ctypes.addressof(ctypes.c_char.from_buffer(view)) for view in views]
+        whole, first = self._region_of(addresses[0], nbytes)
+        last = addresses[-1] - whole.data_ptr()
+        if (
+            all(view.nbytes == nbytes for view in views)
+            and last == first + (len(views) - 1) * nbytes
+            and all(b - a == nbytes for a, b in zip(addresses, addresses[1:]))
+        ):
+            return whole[first : first + len(views) * nbytes].view(len(views), nbytes)
+        out = []
+        for address, view in zip(addresses, views):
+            region, offset = self._region_of(address, view.nbytes)
+            out.append(region[offset : offset + view.nbytes])
+        return out
+
+    def _region_of(self, address: int, nbytes: int) -> tuple[torch.Tensor, int]:
+        """The registered region holding ``nbytes`` at ``address``, and their offset in it."""
+        for whole in self._regions:
+            offset = address - whole.data_ptr()
+            if offset >= 0 and offset + nbytes <= whole.numel():
+                return whole, offset
+        raise ValueError(f"{nbytes} bytes at {address:#x} lie outside the registered regions")
+
+    def __len__(self) -> int:
+        return len(self._addresses)
+
+    def close(self) -> None:
+        """Unregister every region (before it is unmapped)."""
+        addresses, self._addresses = self._addresses, []
+        self._regions = []
+        for address in addresses:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
+            except (RuntimeError, torch.cuda.CudaError) as exc:
+                log.warning("ucm: cannot unregister host memory from the GPU driver: %s", exc)

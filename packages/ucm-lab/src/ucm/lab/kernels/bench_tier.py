@@ -1,0 +1,294 @@
+"""Copies between an engine's cache and the host dram tier, straight into and out of the
+tier's own memory, against the same copies through a pinned buffer, in the same run.
+
+The host tier (a ``dram`` store of scope ``host``) keeps its blocks in an arena of shared
+memory.  On a GPU the arena is registered with the CUDA driver
+(:class:`ucm.kernels.PinnedRegions`), so that the DMA engine copies straight into a block's
+slot (``Store.open_writes``) and out of a lent block (``Store.open_reads``).  For each block
+size this prints:
+
+* the copy alone, device to host and back: into the arena's slots against into one pinned
+  buffer of the same bytes (:class:`ucm.kernels.HostStager` both ways).  Target: 1.0;
+* a dump and a load through the store, as an engine's worker does them: the copy into the
+  slots and the store's seal, against the copy into pinned rows and the store's own copy
+  (the way every dump went before), and the lent blocks checked and copied out, against a
+  load into rows and the copy from them;
+* how long registering the arena took.
+
+On the CPU (no GPU) the same copies run on a CPU cache: nothing is registered, and the
+"pinned" buffer is plain memory.
+
+    python -m ucm.lab.kernels.bench_tier [--device auto|cpu|cuda] [--repeat N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import torch
+from ucm.core.config import DramStoreConfig
+from ucm.core.store import SharedMemoryStore
+from ucm.kernels import HostStager, PinnedRegions, alloc_host_buffers
+from ucm.kernels.transfer import row_buffers
+
+MIB = 2**20
+LAYERS = 8
+HEADS, HEAD_DIM = 8, 64  # bf16: 2 KiB of K and V per token and layer, 16 KiB for 8 layers
+TAG = b"bench-tier"
+
+
+def _timed(fn: Callable[[], object], sync: Callable[[], None], repeat: int) -> float:
+    """Median seconds of ``fn`` (synchronised before and after), after one warm-up."""
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeat):
+        sync()
+        started = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+class Case:
+    """One block size: a cache of ``count`` blocks and a host tier made for them."""
+
+    def __init__(self, device: torch.device, block_bytes: int, total_bytes: int) -> None:
+        self.device = device
+        tokens = block_bytes // (LAYERS * 2 * HEADS * HEAD_DIM * 2)
+        self.count = total_bytes // block_bytes
+        self.nbytes = block_bytes
+        gen = torch.Generator().manual_seed(block_bytes)
+        self.caches = [
+            torch.randn(self.count + 1, 2, tokens, HEADS, HEAD_DIM, generator=gen)
+            .to(torch.bfloat16)
+            .to(device)
+            for _ in range(LAYERS)
+        ]
+        self.ids = [[1 + b] for b in range(self.count)]  # one engine block a store block
+        self.stager = HostStager(device)
+        # the kernel reading and writing the host memory itself: one launch, whatever the
+        # order of the rows
+        self.direct = HostStager(device, direct=device.type == "cuda")
+        self.path = f"/dev/shm/ucm-bench-tier-{uuid.uuid4().hex[:8]}"
+        capacity = 3 * total_bytes + 64 * MIB  # rows of two batches stored, room to write
+        self.store = SharedMemoryStore(
+            DramStoreConfig(path=self.path, capacity_gb=capacity / 2**30)
+        )
+        self.store.check_block_bytes(block_bytes)
+        self.pinned = PinnedRegions()
+        started = time.perf_counter()
+        regions = self.store.host_memory()
+        self.registered = device.type == "cuda" and all(self.pinned.register(r) for r in regions)
+        self.register_s = time.perf_counter() - started
+        self.region_bytes = sum(r.nbytes for r in regions)
+        self.rows = alloc_host_buffers(block_bytes, self.count)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def keys(self) -> list[bytes]:
+        """Fresh keys for a batch: random, as block keys are (hashes)."""
+        return [os.urandom(16) for _ in range(self.count)]
+
+    # -- the copies alone --
+
+    def slot_tensors(self, views: list[memoryview | None]) -> list[torch.Tensor]:
+        """The slots as host rows, as the worker makes them (slices of the registered
+        arena on a GPU)."""
+        if self.registered:
+            return self.pinned.rows(views)  # type: ignore[arg-type]
+        return [torch.frombuffer(v, dtype=torch.uint8) for v in views]  # type: ignore[call-overload]
+
+    def d2h(self, rows: torch.Tensor | list[torch.Tensor], direct: bool = False) -> None:
+        (self.direct if direct else self.stager).dump(self.caches, self.ids, rows).wait()
+
+    def h2d(self, rows: torch.Tensor | list[torch.Tensor], direct: bool = False) -> None:
+        (self.direct if direct else self.stager).load(self.caches, self.ids, rows).wait()
+
+    # -- through the store --
+
+    def dump_rows(self) -> None:
+        keys = self.keys()
+        self.d2h(self.rows)
+        assert all(
+            r.ok for r in self.store.wait(self.store.dump(keys, row_buffers(list(self.rows)), TAG))
+        )
+        self.store.remove(keys)
+
+    def dump_in_place(self) -> None:
+        keys = self.keys()
+        writes = self.store.open_writes(keys, self.nbytes, TAG)
+        assert writes is not None
+        self.d2h(self.slot_tensors(writes.views))
+        assert all(r.ok for r in self.store.wait(writes.commit()))
+        self.store.remove(keys)
+
+    def load_rows(self, keys: list[bytes]) -> None:
+        assert all(
+            r.ok for r in self.store.wait(self.store.load(keys, row_buffers(list(self.rows)), TAG))
+        )
+        self.h2d(self.rows)
+
+    def load_lent(self, keys: list[bytes]) -> None:
+        reads = self.store.open_reads(keys, self.nbytes, TAG)
+        assert reads is not None and all(r.ok for r in reads.task.wait(60))
+        try:
+            self.h2d(self.slot_tensors(reads.views))
+        finally:
+            assert all(reads.release())
+
+    def close(self) -> None:
+        self.pinned.close()
+        self.store.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _check(case: Case) -> None:
+    """A round trip through the tier in place equals the cache: dumped in place, loaded
+    lent into other blocks of a copy of the cache."""
+    keys = case.keys()
+    writes = case.store.open_writes(keys, case.nbytes, TAG)
+    assert writes is not None
+    case.d2h(case.slot_tensors(writes.views))
+    assert all(r.ok for r in case.store.wait(writes.commit()))
+    expected = [c.clone() for c in case.caches]
+    for c in case.caches:
+        c[1:].normal_()  # overwritten: the load must put every block back
+    reads = case.store.open_reads(keys, case.nbytes, TAG)
+    assert reads is not None and all(r.ok for r in reads.task.wait(60))
+    case.h2d(case.slot_tensors(reads.views))
+    assert all(reads.release())
+    case.sync()
+    for got, want in zip(case.caches, expected):
+        if not torch.equal(got, want):
+            raise AssertionError("a block loaded from the tier differs from the one dumped")
+    case.store.remove(keys)
+
+
+def _measure(case: Case, repeat: int) -> dict[str, float]:
+    """Seconds per batch of every way, the same blocks each way."""
+    slots = case.store.open_writes(case.keys(), case.nbytes, TAG)
+    assert slots is not None
+    slot_rows = case.slot_tensors(slots.views)
+    t = {
+        "d2h_pinned": _timed(lambda: case.d2h(case.rows), case.sync, repeat),
+        "d2h_slots": _timed(lambda: case.d2h(slot_rows), case.sync, repeat),
+        "h2d_pinned": _timed(lambda: case.h2d(case.rows), case.sync, repeat),
+        "h2d_slots": _timed(lambda: case.h2d(slot_rows), case.sync, repeat),
+    }
+    # slots out of order (an arena long in use): no two rows of a batch one after another
+    shuffled = [slot_rows[i] for i in torch.randperm(len(slot_rows)).tolist()]
+    t["d2h_scattered"] = _timed(lambda: case.d2h(shuffled), case.sync, repeat)
+    t["h2d_scattered"] = _timed(lambda: case.h2d(shuffled), case.sync, repeat)
+    t["d2h_direct"] = _timed(lambda: case.d2h(shuffled, direct=True), case.sync, repeat)
+    t["h2d_direct"] = _timed(lambda: case.h2d(shuffled, direct=True), case.sync, repeat)
+    shuffled.clear()
+    slot_rows = []  # the views go before their room does
+    slots.abort()
+    t["dump_rows"] = _timed(case.dump_rows, case.sync, repeat)
+    t["dump_in_place"] = _timed(case.dump_in_place, case.sync, repeat)
+    stored = case.keys()
+    dumped = case.store.wait(case.store.dump(stored, row_buffers(list(case.rows)), TAG))
+    assert all(r.ok for r in dumped)
+    t["load_rows"] = _timed(lambda: case.load_rows(stored), case.sync, repeat)
+    t["load_lent"] = _timed(lambda: case.load_lent(stored), case.sync, repeat)
+    return t
+
+
+def run(device: torch.device, sizes: list[int], total_bytes: int, repeat: int) -> list[dict]:
+    out = []
+    for block_bytes in sizes:
+        case = Case(device, block_bytes, total_bytes)
+        try:
+            _check(case)
+            t = _measure(case, repeat)
+        finally:
+            case.close()
+        gbs = {k: case.count * case.nbytes / v / 1e9 for k, v in t.items()}
+        out.append({
+            "block_bytes": block_bytes, "blocks": case.count, "registered": case.registered,
+            "register_s": case.register_s, "region_bytes": case.region_bytes,
+            "gb_s": gbs,
+            "ratios": {
+                "d2h": gbs["d2h_slots"] / gbs["d2h_pinned"],
+                "h2d": gbs["h2d_slots"] / gbs["h2d_pinned"],
+                "dump": gbs["dump_in_place"] / gbs["dump_rows"],
+                "load": gbs["load_lent"] / gbs["load_rows"],
+            },
+        })  # fmt: skip
+    return out
+
+
+def _cell(gbs: dict[str, float], a: str, b: str, ratio: float) -> str:
+    return f"{gbs[a]:5.1f}/{gbs[b]:5.1f} ({ratio:4.2f})"
+
+
+def _print(device: torch.device, rows: list[dict]) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"host tier copies on {name}: GB/s (ratio in place / through a pinned buffer)")
+    print(f"{'block':>8} {'copy D2H':>18} {'copy H2D':>18} {'dump':>18} {'load':>18}")
+    for r in rows:
+        g, q = r["gb_s"], r["ratios"]
+        print(
+            f"{r['block_bytes'] // 1024:>5}KiB {_cell(g, 'd2h_slots', 'd2h_pinned', q['d2h'])} "
+            f"{_cell(g, 'h2d_slots', 'h2d_pinned', q['h2d'])} "
+            f"{_cell(g, 'dump_in_place', 'dump_rows', q['dump'])} "
+            f"{_cell(g, 'load_lent', 'load_rows', q['load'])}"
+        )
+    print("slots out of order: D2H, H2D GB/s (ratio to the pinned buffer), DMA / kernel direct")
+    for r in rows:
+        g = r["gb_s"]
+        cells = [
+            f"{g[k]:5.1f} ({g[k] / g[base]:4.2f})"
+            for k, base in (
+                ("d2h_scattered", "d2h_pinned"),
+                ("h2d_scattered", "h2d_pinned"),
+                ("d2h_direct", "d2h_pinned"),
+                ("h2d_direct", "h2d_pinned"),
+            )
+        ]
+        print(f"{r['block_bytes'] // 1024:>5}KiB " + " ".join(cells))
+    for r in rows:
+        if r["registered"]:
+            gib = r["region_bytes"] / 2**30
+            print(
+                f"registered {gib:.2f} GiB of arena in {r['register_s']:.3f} s "
+                f"({gib / max(r['register_s'], 1e-9):.1f} GiB/s)"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--total-mib", type=int, default=512, help="bytes a batch moves")
+    parser.add_argument("--sizes-kib", default="256,2048", help="store block sizes")
+    parser.add_argument("--json", action="store_true", help="print every figure as JSON last")
+    args = parser.parse_args(argv)
+    wanted = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    device = torch.device(wanted)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
+    rows = run(device, sizes, args.total_mib * MIB, args.repeat)
+    _print(device, rows)
+    if args.json:
+        print(json.dumps({"device": str(device), "cases": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
