@@ -374,6 +374,14 @@ def bench_kernels(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench_tier(session: nox.Session) -> None:
+    """Copies between a cache and the host dram tier in place, against a pinned buffer."""
+    session.install(TORCH)
+    session.install("-e", CORE, "-e", f"{KERNELS}[triton]", "-e", LAB)
+    session.run("python", "-m", "ucm.lab.kernels.bench_tier", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def bench_fastdeploy(session: nox.Session) -> None:
     """FastDeploy's AttentionStore on the posix store against raw file I/O in the same run,
     and the slice-write overhead; JSON last."""

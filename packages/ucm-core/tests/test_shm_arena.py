@@ -211,6 +211,29 @@ def test_eviction_takes_the_least_recently_used_and_never_a_block_being_read(shm
     store.close()
 
 
+def test_keys_chosen_to_share_their_low_bits_do_not_make_long_probes(shm_dir):
+    # Block keys are hashes of prompts a client chooses: a client could search for prompts
+    # whose keys share their low bits.  Were those a key's home bucket, every such key would
+    # probe one run under the lock (4000 keys: 4000 probes each).  The home is a salted hash,
+    # random per arena: they spread like any keys.
+    size = 4096
+    store = open_store(shm_dir, capacity_gb=4096 * size / GIB, block=size)
+    keys = [(i << 32).to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(4000)]
+    assert all(r.ok for r in store.wait(store.dump(keys, [blob(i % 7, size) for i in range(4000)])))
+    arena = store._arena
+    homes = arena_module._homes(arena._salt, arena.np["key0"], arena.geometry.buckets)
+    islot = arena.np["islot"]
+    buckets = np.flatnonzero(islot < arena.geometry.slots)
+    distance = (buckets - homes[islot[buckets]].astype(np.int64)) % arena.geometry.buckets
+    assert distance.max() < 40, distance.max()  # a few at most, expected for any keys
+    assert store.lookup(keys[::97]) == [True] * len(keys[::97])
+    other = open_store(shm_dir / "other", capacity_gb=4096 * size / GIB, block=size)
+    other.wait(other.dump(keys[:1], [blob(0, size)]))
+    assert other._arena._salt != arena._salt  # each arena its own
+    other.close()
+    store.close()
+
+
 def test_an_arena_of_other_blocks_in_use_is_refused_and_an_unused_one_replaced(shm_dir):
     first = open_store(shm_dir, block=4096)
     assert first.wait(first.dump([key(1)], [blob(1, 4096)]))[0].ok

@@ -308,9 +308,12 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     # gathered there and sealed by the store, with no host row, where each block is a run of
     # the cache's memory (one engine block).  Small blocks of several engine blocks go
     # through rows of one allocation instead (one kernel call a step, not one a block).
-    # Either way another worker loads them back (async, through rows) as they were dumped.
+    # Loads likewise: another worker (async) scatters the blocks the store lends, checked,
+    # straight from its memory, or reads small ones into rows.  Either way it loads them
+    # as they were dumped, and a corrupt block and every block after it are load errors.
     from ucm.core.config import DramStoreConfig
     from ucm.core.store import SharedMemoryStore
+    from ucm.lab.testing.core import flip_shared_block_byte
 
     layout = ModelLayout(
         fingerprint="m", block_tokens=32 * engine_blocks, rank=0, world_size=1, groups=(GROUP,)
@@ -343,8 +346,12 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     assert writer.tracker.counts.ok == 6 and not writer.tracker.counts.failed_by_status
     assert writer.stores.full.usage().blocks == 3
     writer.shutdown()
+    flip_shared_block_byte(shm_path, writer._keys(items[2:3])[0])
 
     reader, cache = worker(1)
+    taken = []
+    take = reader.rows.take
+    reader.rows.take = lambda *a, **kw: taken.append(a) or take(*a, **kw)
     targets = [Item(0, it.key, it.chain_key, [b + 12 for b in it.block_ids]) for it in items]
     reader.start_load_kv(StepPlan(loads=[Transfer("warm", targets)]))
     deadline = time.monotonic() + 30
@@ -352,9 +359,11 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     while "warm" not in recving and time.monotonic() < deadline:
         recving |= reader.get_transfer_results(set())[1]
         time.sleep(0.01)
-    assert reader.take_load_errors() == set()
-    n = 3 * engine_blocks
+    assert bool(taken) is (engine_blocks > 1)
+    n = 2 * engine_blocks
+    assert reader.take_load_errors() == {13 + n + b for b in range(engine_blocks)}
     assert torch.equal(cache[13 : 13 + n], stored[1 : 1 + n])
+    assert reader.stores.full._arena.stats()["pinned"] == 0  # every loan given back
     reader.shutdown()
 
 

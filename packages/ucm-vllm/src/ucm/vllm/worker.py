@@ -272,7 +272,7 @@ class WorkerSide:
         started = time.perf_counter()
         items = transfer.items
         segments = self._segments(items) if self.in_place else None  # sync loads only
-        lent = self._open_reads(items) if segments is None and self.pinned else None
+        lent = self._open_reads(items) if segments is None and self._lends(items) else None
         rows = [] if segments is not None or lent is not None else self._take_rows(items)
         job = LoadJob(transfer, [], rows, started, in_place=segments is not None)
         if self.stores is None:
@@ -296,6 +296,16 @@ class WorkerSide:
                 continue
             job.tasks.append((positions, task))
         return job
+
+    def _lends(self, items: list[Item]) -> bool:
+        """Whether to load ``items`` from blocks the stores lend: on a GPU, where their
+        memory is registered; on the CPU, where the scatter from them is not slower than
+        from rows (the rule of :meth:`_open_writes`)."""
+        if self.stager.device.type != "cpu":
+            return bool(self.pinned)
+        if self.stores is None or not self.stores.full.reads_from_memory:
+            return False
+        return self._item_bytes(items[0]) >= IN_PLACE_MIN_BYTES or self._segments(items) is not None
 
     def _open_reads(self, items: list[Item]) -> list[tuple[list[int], SlotReads]] | None:
         """The stored blocks of ``items`` lent where they lie in the stores' registered

@@ -17,7 +17,8 @@ File layout (``<folder>/arena``; sections page-aligned; integers little-endian):
                  layout u64, last_used u64, lease i64, seal 32 bytes
     free stack   u32 per slot: the FREE slot numbers (its top is a superblock word)
     index        open addressing, linear probing, a power of two >= 2 buckets per slot:
-                 key0 u64, key1 u64, slot u32 (EMPTY, or TOMB for a deleted entry)
+                 key0 u64, key1 u64, slot u32 (EMPTY, or TOMB for a deleted entry); a
+                 key's home bucket is a hash of key0 salted by a random superblock word
     data         slots x slot_bytes, 2 MiB-aligned (huge pages where the mount has them)
 
 The columns are the truth; the index and the free stack are derived from them, and rebuilt
@@ -61,7 +62,7 @@ import attrs
 import numpy as np
 
 MAGIC = int.from_bytes(b"UCMARNA1", "little")
-VERSION = 1
+VERSION = 2  # 2: a key's home bucket is a salted hash of it, no longer its low bits
 PAGE = 4096
 DATA_ALIGN = 2 << 20
 SEAL_BYTES = 32
@@ -86,7 +87,15 @@ _VECTOR_ROUNDS = 2
 # superblock words (u64 index into the first page)
 SB_MAGIC, SB_VERSION, SB_SLOT_BYTES, SB_SLOTS, SB_BUCKETS = 0, 1, 2, 3, 4
 SB_TICK, SB_DIRTY, SB_FREE_TOP, SB_SEQ, SB_USED, SB_EVICTED, SB_RECOVERIES = 5, 6, 7, 8, 9, 10, 11
-SB_TOMBS, SB_REBUILDS, SB_BYTES = 12, 13, 14
+SB_TOMBS, SB_REBUILDS, SB_BYTES, SB_SALT = 12, 13, 14, 15
+
+#: Fibonacci hashing: a key's home bucket is the top bits of (key0 ^ salt) * _MIX.  Block keys
+#: are hashes of prompts, which a client chooses: were the home their low bits, a client could
+#: search for prompts whose keys share them and make every probe in the index walk one long
+#: run under the lock, stalling every engine on the host.  The salt, random per arena and kept
+#: in its owner-only file, hides which keys collide.
+_MIX = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
 
 _WORDS = struct.Struct("<5Q")
 _COLUMNS = (  # name, bytes per slot, numpy dtype
@@ -306,6 +315,8 @@ class Arena:
         self._lease, self._seal, self._free = mv["lease"], mv["seal"], mv["free"]
         self._ik0, self._ik1, self._islot = mv["ik0"], mv["ik1"], mv["islot"]
         self._mask = self.geometry.buckets - 1
+        self._salt = int(self._sb[SB_SALT])
+        self._shift = _home_shift(self.geometry.buckets)
 
     def _cast(self, view: memoryview, code: str) -> Any:
         self._views.append(view)
@@ -369,7 +380,7 @@ class Arena:
     def _find(self, k0: int, k1: int) -> int:
         """The bucket holding the key, or -1."""
         ik0, ik1, islot, mask = self._ik0, self._ik1, self._islot, self._mask
-        i = k0 & mask
+        i = ((k0 ^ self._salt) * _MIX & _M64) >> self._shift
         while True:
             s = islot[i]
             if s == EMPTY:
@@ -381,7 +392,7 @@ class Arena:
     def _insert(self, k0: int, k1: int, slot: int) -> None:
         """Add a key known to be absent (``_find`` said so under the same lock)."""
         ik0, ik1, islot, mask = self._ik0, self._ik1, self._islot, self._mask
-        i = k0 & mask
+        i = ((k0 ^ self._salt) * _MIX & _M64) >> self._shift
         while True:
             s = islot[i]
             if s == EMPTY:
@@ -416,7 +427,7 @@ class Arena:
         ready = np.flatnonzero(npc["state"] == READY)
         self._seq_begin()
         npc["islot"][:] = EMPTY
-        _bulk_insert(npc["ik0"], npc["ik1"], npc["islot"], npc["key0"][ready],
+        _bulk_insert(self._salt, npc["ik0"], npc["ik1"], npc["islot"], npc["key0"][ready],
                      npc["key1"][ready], ready.astype(np.uint32))  # fmt: skip
         self._sb[SB_TOMBS] = 0
         self._seq_end()
@@ -463,7 +474,8 @@ class Arena:
         was_ready = victims[st[victims] == READY]
         self._seq_begin()
         if was_ready.size:
-            buckets = _bulk_find(npc["ik0"], npc["ik1"], npc["islot"], npc["key0"][was_ready],
+            buckets = _bulk_find(self._salt, npc["ik0"], npc["ik1"], npc["islot"],
+                                 npc["key0"][was_ready],
                                  npc["key1"][was_ready], want_bucket=True)  # fmt: skip
             buckets = buckets[buckets != EMPTY]
             npc["islot"][buckets] = TOMB
@@ -509,7 +521,7 @@ class Arena:
             dup[order[1:]] = (s0[1:] == s0[:-1]) & (s1[1:] == s1[:-1])
         st[ready[dup]] = FREE
         ready, k0, k1 = ready[~dup], k0[~dup], k1[~dup]
-        _bulk_insert(npc["ik0"], npc["ik1"], islot, k0, k1, ready.astype(np.uint32))
+        _bulk_insert(self._salt, npc["ik0"], npc["ik1"], islot, k0, k1, ready.astype(np.uint32))
         self._sb[SB_TOMBS] = 0
         free = np.flatnonzero(st == FREE)
         npc["gen"][free] += np.uint32(1)  # a pin or a write on a reclaimed slot must see it
@@ -687,7 +699,9 @@ class Arena:
             if seq & 1:
                 time.sleep(0)
                 continue
-            slots = _bulk_find(npc["ik0"], npc["ik1"], npc["islot"], keys[:, 0], keys[:, 1])
+            slots = _bulk_find(
+                self._salt, npc["ik0"], npc["ik1"], npc["islot"], keys[:, 0], keys[:, 1]
+            )
             hit = slots < self.geometry.slots
             hit[hit] = npc["state"][slots[hit]] == READY
             if self._sb[SB_SEQ] == seq:
@@ -825,6 +839,7 @@ def _create(path: str, geometry: Geometry) -> int:
             sb = memoryview(meta)[:PAGE].cast("Q")
             sb[SB_SLOT_BYTES], sb[SB_SLOTS], sb[SB_BUCKETS] = g.slot_bytes, g.slots, g.buckets
             sb[SB_FREE_TOP] = g.slots
+            sb[SB_SALT] = int.from_bytes(os.urandom(8), "little")
             sb[SB_VERSION] = VERSION
             sb[SB_MAGIC] = MAGIC  # last: a file without it is not an arena
             sb.release()
@@ -851,7 +866,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _home_shift(buckets: int) -> int:
+    """How far a 64-bit product is shifted to leave a bucket number (``buckets`` a power
+    of two, at least 2)."""
+    return 65 - buckets.bit_length()
+
+
+def _homes(salt: int, k0: np.ndarray, buckets: int) -> np.ndarray:
+    """The home buckets of keys, as :meth:`Arena._find` computes one (uint64 products wrap)."""
+    mixed = (k0.astype(np.uint64) ^ np.uint64(salt)) * np.uint64(_MIX)
+    return mixed >> np.uint64(_home_shift(buckets))
+
+
 def _bulk_find(
+    salt: int,
     ik0: np.ndarray,
     ik1: np.ndarray,
     islot: np.ndarray,
@@ -863,7 +891,7 @@ def _bulk_find(
     round, so the Python overhead is per round (the longest probe), not per key; the few
     keys left after ``_VECTOR_ROUNDS`` rounds finish one by one."""
     mask = np.uint64(islot.size - 1)
-    pos = k0 & mask
+    pos = _homes(salt, k0, islot.size)
     out = np.full(k0.size, EMPTY, np.uint64 if want_bucket else np.uint32)
     todo = np.arange(k0.size)
     rounds = 0
@@ -894,6 +922,7 @@ def _bulk_find(
 
 
 def _bulk_insert(
+    salt: int,
     ik0: np.ndarray,
     ik1: np.ndarray,
     islot: np.ndarray,
@@ -906,7 +935,7 @@ def _bulk_insert(
     on.  Key words are written before the slot word (lock-free readers match on a slot below
     TOMB only).  Returns how many tombstones were taken."""
     mask = np.uint64(islot.size - 1)
-    pos = k0 & mask
+    pos = _homes(salt, k0, islot.size)
     todo = np.arange(k0.size)
     tombs = 0
     while todo.size:
