@@ -421,6 +421,55 @@ def test_on_a_gpu_blocks_move_straight_between_the_device_and_the_host_tier(
     reader.shutdown()
 
 
+def test_a_copy_out_of_lent_blocks_that_is_refused_is_a_miss_and_rows_take_over(shm_path):
+    # Should the copy refuse the store's memory (on a GPU: a registration the driver took
+    # but a copy does not see as pinned), the blocks are load errors that vLLM recomputes,
+    # the loans end, and later loads go through rows: the engine keeps serving.
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore
+
+    layout = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP,))
+    chain = block_keys(layout.chain_namespace(None), list(range(128)), 32)
+    config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
+
+    def worker(seed):
+        side = WorkerSide(layout, ConnectorStores(SharedMemoryStore(config), None), 1)
+        torch.manual_seed(seed)
+        cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
+        side.register_kv_caches({LAYER: cache})
+        return side, cache
+
+    writer, stored = worker(0)
+    written = [Item(0, k, chain[k], [1 + k]) for k in range(3)]
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", written)]))
+    writer.shutdown()
+
+    reader, cache = worker(1)
+    load = reader.stager.load
+
+    def refused(*args, **kwargs):
+        raise ValueError("host_buffers[0] is not pinned")
+
+    reader.stager.load = refused
+    loads = [Item(0, k, chain[k], [11 + k]) for k in range(3)]
+
+    def load_all(req_id):
+        reader.start_load_kv(StepPlan(loads=[Transfer(req_id, loads)]))
+        deadline = time.monotonic() + 30
+        while req_id not in reader.get_transfer_results(set())[1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    load_all("a")
+    assert reader.take_load_errors() == {11, 12, 13} and not reader.lending
+    assert reader.stores.full._arena.stats()["pinned"] == 0
+    reader.stager.load = load
+    load_all("b")  # through rows now
+    assert reader.take_load_errors() == set()
+    assert torch.equal(cache[11:14], stored[1:4])
+    reader.shutdown()
+
+
 def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path):
     """An in-place load whose read never finishes (memory swapped out, a stuck kernel):
     the step waits ``load_timeout_s`` for the answer and as long again for the read to

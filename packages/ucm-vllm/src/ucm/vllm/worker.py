@@ -132,6 +132,7 @@ class WorkerSide:
         # the stores' host memory, registered with the GPU's driver: copies go straight
         # into and out of it (register_kv_caches)
         self.pinned = PinnedRegions()
+        self.lending = True  # loads may scatter from blocks the stores lend (_lends)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for group in self.layout.stored_groups:
@@ -175,8 +176,8 @@ class WorkerSide:
     def _register_host_memory(self) -> None:
         """Register the stores' own host memory with the GPU's driver, all or none."""
         assert self.stores is not None
-        stores = [self.stores.full] + ([self.stores.window] if self.stores.window else [])
-        regions = [region for store in stores for region in store.host_memory()]
+        stores = {id(s): s for s in (self.stores.full, self.stores.window) if s is not None}
+        regions = [region for store in stores.values() for region in store.host_memory()]
         started = time.perf_counter()
         if regions and not all(self.pinned.register(region) for region in regions):
             self.pinned.close()
@@ -301,6 +302,8 @@ class WorkerSide:
         """Whether to load ``items`` from blocks the stores lend: on a GPU, where their
         memory is registered; on the CPU, where the scatter from them is not slower than
         from rows (the rule of :meth:`_open_writes`)."""
+        if not self.lending:
+            return False
         if self.stager.device.type != "cpu":
             return bool(self.pinned)
         if self.stores is None or not self.stores.full.reads_from_memory:
@@ -352,6 +355,10 @@ class WorkerSide:
             ]
             for handle in handles:
                 handle.wait()  # the blocks go back, and the forward pass reads
+        except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
+            log.warning("ucm: cannot copy out of the store's memory (%s): using rows", exc)
+            self.lending = False
+            results = [KeyResult(Status.ERROR, str(exc))] * len(items)
         finally:  # every loan ends, whatever happened
             held = [True] * len(items)
             for positions, reads in job.lent:
