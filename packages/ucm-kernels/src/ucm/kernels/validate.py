@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import attrs
 import torch
@@ -310,7 +311,8 @@ def _split_buffers(
             # Rows of one contiguous tensor share dtype, device, size and alignment: check
             # the first, and make every row's views in one call each (host time: a call
             # with a row per store block made three views per row, in Python).
-            _checked_row(0, buffers[0], layout, device, host_ok, has_scales)
+            sizes = _RowSizes(layout.nbytes, layout.data_nbytes, dtype, dtype.itemsize)
+            _checked_row(0, buffers[0], sizes, device, host_ok, has_scales)
             rows2d = buffers.view(torch.uint8)
             raw = rows2d[:, : layout.nbytes]
             data2d = rows2d[:, : layout.data_nbytes].view(dtype)
@@ -331,34 +333,51 @@ def _split_buffers(
             f"buffers must be a 2-D tensor or a list of tensors, got {type(buffers).__name__}"
         )
 
-    raws = [_checked_row(s, row, layout, device, host_ok, has_scales) for s, row in enumerate(rows)]
+    # the layout's sizes are properties computed on each use: once here, not once a row
+    # (a list of rows, such as a store's scattered slots, paid tens of microseconds a row)
+    sizes = _RowSizes(layout.nbytes, layout.data_nbytes, dtype, dtype.itemsize)
+    raws = [_checked_row(s, row, sizes, device, host_ok, has_scales) for s, row in enumerate(rows)]
 
     spans = sorted((r.data_ptr(), r.data_ptr() + r.numel(), s) for s, r in enumerate(raws))
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
             raise ValueError(f"buffers[{b}] overlaps buffers[{a}]")
 
-    data = tuple(r[: layout.data_nbytes].view(dtype) for r in raws)
-    scale_bytes = tuple(r[layout.data_nbytes :] for r in raws) if has_scales else None
+    data_nbytes = sizes.data_nbytes
+    if has_scales:
+        data = tuple(r[:data_nbytes].view(dtype) for r in raws)
+        scale_bytes: tuple[torch.Tensor, ...] | None = tuple(r[data_nbytes:] for r in raws)
+    else:  # a row is its data
+        data = tuple(r.view(dtype) for r in raws)
+        scale_bytes = None
     return {
         "data": data,
         "scale_bytes": scale_bytes,
         "stacked": _stack(data, layout.data_numel),
         "raw": tuple(raws),
-        "raw_stacked": _stack(tuple(raws), layout.nbytes),
+        "raw_stacked": _stack(tuple(raws), sizes.nbytes),
     }
+
+
+class _RowSizes(NamedTuple):
+    """What a row of a payload layout is checked against."""
+
+    nbytes: int
+    data_nbytes: int
+    dtype: torch.dtype
+    itemsize: int
 
 
 def _checked_row(
     s: int,
     row: object,
-    layout: PayloadLayout,
+    sizes: _RowSizes,
     device: torch.device,
     host_ok: bool,
     has_scales: bool,
 ) -> torch.Tensor:
-    """Row ``s`` of the buffers, checked, as its payload's ``layout.nbytes`` bytes."""
-    dtype = layout.cache.dtype
+    """Row ``s`` of the buffers, checked, as its payload's ``sizes.nbytes`` bytes."""
+    dtype = sizes.dtype
     if not isinstance(row, torch.Tensor):
         raise TypeError(f"buffers[{s}] must be a torch.Tensor, got {type(row).__name__}")
     if has_scales and row.dtype != torch.uint8:
@@ -375,18 +394,19 @@ def _checked_row(
         raise ValueError(f"buffers[{s}] is on {row.device}, the caches on {device}")
     if not row.is_contiguous():
         raise ValueError(f"buffers[{s}] is not contiguous (strides {tuple(row.stride())})")
-    raw = row.reshape(-1).view(torch.uint8)
-    if raw.numel() < layout.nbytes:
+    raw = row if row.dim() == 1 and row.dtype == torch.uint8 else row.reshape(-1).view(torch.uint8)
+    held = raw.numel()
+    if held < sizes.nbytes:
         raise ValueError(
-            f"buffers[{s}] holds {raw.numel()} bytes, the payload needs {layout.nbytes} "
-            f"({layout.data_nbytes} data + {layout.scale_nbytes} scales)"
+            f"buffers[{s}] holds {held} bytes, the payload needs {sizes.nbytes} "
+            f"({sizes.data_nbytes} data + {sizes.nbytes - sizes.data_nbytes} scales)"
         )
-    if raw.data_ptr() % layout.cache.itemsize:
+    if raw.data_ptr() % sizes.itemsize:
         raise ValueError(
-            f"buffers[{s}] starts at an address not aligned to {layout.cache.itemsize} bytes "
+            f"buffers[{s}] starts at an address not aligned to {sizes.itemsize} bytes "
             f"(the {dtype} element size)"
         )
-    return raw[: layout.nbytes]
+    return raw if held == sizes.nbytes else raw[: sizes.nbytes]
 
 
 def _stack(data: tuple[torch.Tensor, ...], numel: int) -> torch.Tensor | None:
