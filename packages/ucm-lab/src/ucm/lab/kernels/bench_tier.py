@@ -13,6 +13,8 @@ size this prints:
   slots and the store's seal, against the copy into pinned rows and the store's own copy
   (the way every dump went before), and the lent blocks checked and copied out, against a
   load into rows and the copy from them;
+* the same copies into slots in random order, as an arena that has turned over hands them
+  out, by DMA and by the kernel writing host memory itself (``direct=True``);
 * how long registering the arena took.
 
 On the CPU (no GPU) the same copies run on a CPU cache: nothing is registered, and the
