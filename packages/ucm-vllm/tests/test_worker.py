@@ -73,8 +73,8 @@ def chain_items(n: int) -> list[Item]:
     return [Item(0, k, chain[k], list(range(1 + 8 * k, 9 + 8 * k))) for k in range(n)]
 
 
-def worker_on(store, seed=0, device="cpu", **kw) -> tuple[WorkerSide, torch.Tensor]:
-    worker = WorkerSide(LAYOUT, ConnectorStores(store, None), num_groups=1, **kw)
+def worker_on(store, seed=0, device="cpu", layout=LAYOUT, **kw) -> tuple[WorkerSide, torch.Tensor]:
+    worker = WorkerSide(layout, ConnectorStores(store, None), num_groups=1, **kw)
     torch.manual_seed(seed)
     cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16).to(device)
     worker.register_kv_caches({LAYER: cache})
@@ -268,11 +268,7 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
     config = DramStoreConfig(path=path, capacity_gb=0.01)
 
     def worker_of(store, seed):
-        worker = WorkerSide(layout, ConnectorStores(store, None), num_groups=1, sync_loads=True)
-        torch.manual_seed(seed)
-        cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
-        worker.register_kv_caches({LAYER: cache})
-        return worker, cache
+        return worker_on(store, seed, layout=layout, sync_loads=True)
 
     try:
         writer, stored = worker_of(SharedMemoryStore(config), 0)
@@ -326,11 +322,7 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
 
     def worker(seed):
-        side = WorkerSide(layout, ConnectorStores(SharedMemoryStore(config), None), 1)
-        torch.manual_seed(seed)
-        cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
-        side.register_kv_caches({LAYER: cache})
-        return side, cache
+        return worker_on(SharedMemoryStore(config), seed, layout=layout)
 
     writer, stored = worker(0)
     taken = []
@@ -433,11 +425,7 @@ def test_a_copy_out_of_lent_blocks_that_is_refused_is_a_miss_and_rows_take_over(
     config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
 
     def worker(seed):
-        side = WorkerSide(layout, ConnectorStores(SharedMemoryStore(config), None), 1)
-        torch.manual_seed(seed)
-        cache = torch.randn(40, 2, 32, 128).to(torch.bfloat16)
-        side.register_kv_caches({LAYER: cache})
-        return side, cache
+        return worker_on(SharedMemoryStore(config), seed, layout=layout)
 
     writer, stored = worker(0)
     written = [Item(0, k, chain[k], [1 + k]) for k in range(3)]

@@ -67,9 +67,10 @@ def run(in_place: bool) -> tuple[float, float, int, int]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-for _ in range(2):
-    for mode in (False, True):
-        call, stored, nbytes, count = run(mode)
-        print(f"{'in place' if mode else 'rows':>8}: {count} blocks of {nbytes >> 10} KiB: "
-              f"step's call {call * 1e3:.1f} ms, all stored {stored * 1e3:.1f} ms "
-              f"({nbytes * count / stored / 1e9:.2f} GB/s)")
+if __name__ == "__main__":  # worker_load.py takes the set-up above
+    for _ in range(2):
+        for mode in (False, True):
+            call, stored, nbytes, count = run(mode)
+            print(f"{'in place' if mode else 'rows':>8}: {count} blocks of {nbytes >> 10} KiB: "
+                  f"step's call {call * 1e3:.1f} ms, all stored {stored * 1e3:.1f} ms "
+                  f"({nbytes * count / stored / 1e9:.2f} GB/s)")

@@ -6,36 +6,23 @@ threads, then scattered into the cache) against read into host rows and scattere
 ``start_load_kv`` until ``get_transfer_results`` reports the request.  Run with the
 project's venv:
 
-    python worker_load.py STORE_BLOCK_TOKENS ENGINE_BLOCK_TOKENS
+    python worker_load.py STORE_BLOCK_TOKENS ENGINE_BLOCK_TOKENS   (from this folder)
 
 (32 32: each block one engine block; 32 16: two engine blocks of a cache with several
 heads; 128 128: 2 MiB blocks.)
 """
 
 import shutil
-import sys
 import time
 import uuid
 
-import torch
 from ucm.core.config import DramStoreConfig
 from ucm.core.keys import block_keys
 from ucm.core.store import SharedMemoryStore
-from ucm.vllm.layout import GroupLayout, ModelLayout
 from ucm.vllm.stores import ConnectorStores
 from ucm.vllm.transfers import Item, StepPlan, Transfer
 from ucm.vllm.worker import WorkerSide
-
-STORE_TOKENS, ENGINE_TOKENS = (int(a) for a in sys.argv[1:3])
-PER = STORE_TOKENS // ENGINE_TOKENS
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(8)]
-GROUP = GroupLayout(index=0, layer_names=tuple(LAYERS), engine_block_tokens=ENGINE_TOKENS,
-                    kind="full", replicated=False, descriptor="bench")
-LAYOUT = ModelLayout(fingerprint="m", block_tokens=STORE_TOKENS, rank=0, world_size=1,
-                     groups=(GROUP,))
-ENGINE_BLOCKS = 2048
-CACHES = {n: torch.randn(ENGINE_BLOCKS, 2, ENGINE_TOKENS, 8, 64).to(torch.bfloat16)
-          for n in LAYERS}
+from worker_dump import CACHES, ENGINE_BLOCKS, LAYOUT, PER, STORE_TOKENS  # the same set-up
 
 
 def run(lent: bool) -> tuple[float, int, int]:

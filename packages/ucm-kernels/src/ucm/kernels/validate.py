@@ -311,8 +311,7 @@ def _split_buffers(
             # Rows of one contiguous tensor share dtype, device, size and alignment: check
             # the first, and make every row's views in one call each (host time: a call
             # with a row per store block made three views per row, in Python).
-            sizes = _RowSizes(layout.nbytes, layout.data_nbytes, dtype, dtype.itemsize)
-            _checked_row(0, buffers[0], sizes, device, host_ok, has_scales)
+            _checked_row(0, buffers[0], _RowSizes.of(layout), device, host_ok, has_scales)
             rows2d = buffers.view(torch.uint8)
             raw = rows2d[:, : layout.nbytes]
             data2d = rows2d[:, : layout.data_nbytes].view(dtype)
@@ -335,7 +334,7 @@ def _split_buffers(
 
     # the layout's sizes are properties computed on each use: once here, not once a row
     # (a list of rows, such as a store's scattered slots, paid tens of microseconds a row)
-    sizes = _RowSizes(layout.nbytes, layout.data_nbytes, dtype, dtype.itemsize)
+    sizes = _RowSizes.of(layout)
     raws = [_checked_row(s, row, sizes, device, host_ok, has_scales) for s, row in enumerate(rows)]
 
     spans = sorted((r.data_ptr(), r.data_ptr() + r.numel(), s) for s, r in enumerate(raws))
@@ -366,6 +365,11 @@ class _RowSizes(NamedTuple):
     data_nbytes: int
     dtype: torch.dtype
     itemsize: int
+
+    @classmethod
+    def of(cls, layout: PayloadLayout) -> _RowSizes:
+        dtype = layout.cache.dtype
+        return cls(layout.nbytes, layout.data_nbytes, dtype, dtype.itemsize)
 
 
 def _checked_row(

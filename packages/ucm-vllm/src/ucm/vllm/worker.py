@@ -308,7 +308,13 @@ class WorkerSide:
             return bool(self.pinned)
         if self.stores is None or not self.stores.full.reads_from_memory:
             return False
-        return self._item_bytes(items[0]) >= IN_PLACE_MIN_BYTES or self._segments(items) is not None
+        return self._in_place_pays(self._item_bytes(items[0]), items)
+
+    def _in_place_pays(self, nbytes: int, items: list[Item]) -> bool:
+        """Whether a CPU cache's blocks move between the cache and the store's memory as
+        fast as through rows: each a run of the cache's memory, or large
+        (:data:`IN_PLACE_MIN_BYTES`)."""
+        return nbytes >= IN_PLACE_MIN_BYTES or self._segments(items) is not None
 
     def _open_reads(self, items: list[Item]) -> list[tuple[list[int], SlotReads]] | None:
         """The stored blocks of ``items`` lent where they lie in the stores' registered
@@ -316,11 +322,8 @@ class WorkerSide:
         assert self.stores is not None
         stores = self.stores
         lent: list[tuple[list[int], SlotReads]] = []
-        by_store = _positions(
-            items, lambda it: (id(stores.of(self._group(it))), self._item_bytes(it))
-        )
-        for (_, nbytes), positions in by_store.items():
-            store = stores.of(self._group(items[positions[0]]))
+        by_store = _positions(items, lambda it: (stores.of(self._group(it)), self._item_bytes(it)))
+        for (store, nbytes), positions in by_store.items():
             try:
                 reads = store.open_reads(
                     self._keys([items[p] for p in positions]), nbytes, LAYOUT_TAG
@@ -344,17 +347,10 @@ class WorkerSide:
             p: view for positions, reads in job.lent for p, view in zip(positions, reads.views)
         }
         try:
-            handles = [
-                self.stager.load(
-                    self.caches[group],
-                    [items[ok[i]].block_ids for i in at],
-                    self._host_rows([views[ok[i]] for i in at]),  # type: ignore[misc]
-                    null_block_id=NULL_BLOCK,
-                )
-                for (group, _), at in _positions([items[p] for p in ok], _shape).items()
-            ]
-            for handle in handles:
-                handle.wait()  # the blocks go back, and the forward pass reads
+            self._scatter(
+                [items[p] for p in ok],
+                lambda at: self._host_rows([views[ok[i]] for i in at]),  # type: ignore[misc]
+            )
         except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
             log.warning("ucm: cannot copy out of the store's memory (%s): using rows", exc)
             self.lending = False
@@ -416,7 +412,7 @@ class WorkerSide:
         use = [all_ok or (self._full(it) and it.key < prefix) for it in items]
         if not job.in_place:  # else the blocks are in the cache already
             used = [p for p, u in enumerate(use) if u and p < len(job.rows)]
-            self._scatter([items[p] for p in used], [job.rows[p] for p in used])
+            self._scatter([items[p] for p in used], lambda at: [job.rows[used[i]] for i in at])
             self.rows.give(job.rows)
         if not all_ok:
             problems = {r.detail or r.status.value for r in results if r and not r.ok} or {
@@ -453,18 +449,24 @@ class WorkerSide:
     def _full(self, item: Item) -> bool:
         return self._group(item).kind == "full"
 
-    def _scatter(self, items: list[Item], rows: list[torch.Tensor]) -> None:
+    def _scatter(
+        self,
+        items: list[Item],
+        rows_of: Callable[[list[int]], torch.Tensor | list[torch.Tensor]],
+    ) -> None:
+        """Scatter ``items`` into the cache, one call per group and size, from the host
+        rows ``rows_of(positions)`` gives for those positions of ``items``."""
         handles = [
             self.stager.load(
                 self.caches[group],
                 [items[p].block_ids for p in positions],
-                [rows[p] for p in positions],
+                rows_of(positions),
                 null_block_id=NULL_BLOCK,
             )
             for (group, _), positions in _positions(items, _shape).items()
         ]
         for handle in handles:
-            handle.wait()  # the rows go back to the pool, and the forward pass reads
+            handle.wait()  # the rows go back (to the pool or the store); the forward pass reads
 
     # -- dumps --
 
@@ -538,7 +540,7 @@ class WorkerSide:
         registered (a GPU copies asynchronously only into pinned memory); None: they go
         through host rows."""
         if self.stager.device.type == "cpu":
-            if nbytes < IN_PLACE_MIN_BYTES and self._segments(items) is None:
+            if not self._in_place_pays(nbytes, items):
                 return None
         elif not self.pinned:
             return None

@@ -377,10 +377,14 @@ class Arena:
 
     # -- the index (caller holds the lock) --
 
+    def _home(self, k0: int) -> int:
+        """A key's home bucket (what :func:`_homes` computes for many)."""
+        return ((k0 ^ self._salt) * _MIX & _M64) >> self._shift
+
     def _find(self, k0: int, k1: int) -> int:
         """The bucket holding the key, or -1."""
         ik0, ik1, islot, mask = self._ik0, self._ik1, self._islot, self._mask
-        i = ((k0 ^ self._salt) * _MIX & _M64) >> self._shift
+        i = self._home(k0)
         while True:
             s = islot[i]
             if s == EMPTY:
@@ -392,7 +396,7 @@ class Arena:
     def _insert(self, k0: int, k1: int, slot: int) -> None:
         """Add a key known to be absent (``_find`` said so under the same lock)."""
         ik0, ik1, islot, mask = self._ik0, self._ik1, self._islot, self._mask
-        i = ((k0 ^ self._salt) * _MIX & _M64) >> self._shift
+        i = self._home(k0)
         while True:
             s = islot[i]
             if s == EMPTY:

@@ -352,7 +352,6 @@ class SharedMemoryStore(Store):
         except ArenaBusy as exc:
             return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
         results: list[KeyResult] = []
-        pins = [pin for pin in pinned if pin is not None]
         bad: list[Pinned] = []
         busy: KeyResult | None = None
         try:
@@ -365,13 +364,13 @@ class SharedMemoryStore(Store):
                     bad.append(pin)
         finally:  # every pin goes, whatever happened
             try:
-                kept = iter(arena.unpin(pins, bad) if pins else [])
+                held = _unpin(arena, pinned, bad)
             except ArenaBusy as exc:  # the pins' leases end by themselves
                 busy = KeyResult(Status.ERROR, str(exc))
         if busy is not None:
             return [busy] * len(chunk)
         # a pin whose slot was reused meanwhile (its lease ran out): what was read is not it
-        return [r if pin is None or next(kept) else MISS for r, pin in zip(results, pinned)]
+        return [r if pin is None or h else MISS for r, pin, h in zip(results, pinned, held)]
 
     def _load_one(
         self,
@@ -571,13 +570,10 @@ class _ArenaReads(SlotReads):
         return [r.ok and h for r, h in zip(results, held)]
 
     def _unpin(self) -> list[bool]:
-        """Per key, whether its pin held to the end (False where it had none)."""
-        pins = [pin for pin in self.pinned if pin is not None]
         try:
-            kept = iter(self._arena.unpin(pins, self.bad) if pins else [])
+            return _unpin(self._arena, self.pinned, self.bad)
         except ArenaBusy:  # the pins' leases end by themselves
             return [False] * len(self.pinned)
-        return [pin is not None and next(kept) for pin in self.pinned]
 
 
 _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or written")
@@ -600,6 +596,15 @@ def _settled(reserved: list[Any]) -> list[KeyResult | None]:
     already, or twice in the batch) is ``OK``, ``False`` (no slot could be freed) an error;
     None where it has one."""
     return [OK if got is True else _FULL if got is False else None for got in reserved]
+
+
+def _unpin(arena: Arena, pinned: list[Pinned | None], bad: Sequence[Pinned]) -> list[bool]:
+    """Release a batch's pins (``None`` where a key had none), dropping the ``bad`` ones;
+    per key, whether its pin held to the end (False where it had none).  ``ArenaBusy``
+    where the lock was not had."""
+    pins = [pin for pin in pinned if pin is not None]
+    kept = iter(arena.unpin(pins, bad) if pins else [])
+    return [pin is not None and next(kept) for pin in pinned]
 
 
 def _mismatch(pin: Pinned, nbytes: int, layout_word: int) -> KeyResult:
