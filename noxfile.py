@@ -190,10 +190,11 @@ def tests_quick(session: nox.Session) -> None:
 def tests_core(session: nox.Session) -> None:
     """ucm-core's tests (it imports no engine) on every Python it supports.  Those that need
     root (hosts as network namespaces, other users, memory filesystems) exercise daemons and
-    the kernel rather than the interpreter: they run on Python 3.11 only."""
+    the kernel rather than the interpreter, and the stress tests repeat what quicker ones
+    cover: both run on Python 3.11 only."""
     _install_wheels(session, [CORE, LAB], TEST_EXTRAS)
-    on_root = [] if session.python == PYTHON else ["-m", "not root"]
-    _pytest(session, [CORE], *on_root, workers=CORE_WORKERS)
+    main_only = [] if session.python == PYTHON else ["-m", "not root and not stress"]
+    _pytest(session, [CORE], *main_only, workers=CORE_WORKERS)
 
 
 @nox.session(python=PYTHON, tags=["matrix"])

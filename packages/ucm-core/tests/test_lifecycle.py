@@ -1,5 +1,7 @@
 import threading
 
+import pytest
+
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store.task import OK, KeyResult, Status, Task
 
@@ -88,6 +90,7 @@ def test_discard_forgets_and_cancels():
     assert len(t) == 0 and task.cancelled
 
 
+@pytest.mark.stress
 def test_100k_requests_leave_no_state():
     t = DumpTracker()
     held = []

@@ -148,6 +148,7 @@ def test_write_failure_leaves_nothing_visible(tmp_path, monkeypatch):
     s.close()
 
 
+@pytest.mark.stress
 def test_capacity_holds_over_10k_dumps_and_keeps_recent_reads(tmp_path):
     size = 1000
     file_size = 4096 + size

@@ -152,6 +152,7 @@ def medium(tmp_path):
     return tmp_path / "store", {}
 
 
+@pytest.mark.stress
 def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
     root, medium_cfg = medium
     seed = int.from_bytes(os.urandom(4), "little")

@@ -45,6 +45,7 @@ def open_store(root, capacity_gb: float = 0.0625, block: int = MAX_SIZE) -> Shar
     return store
 
 
+@pytest.mark.stress
 def test_a_writer_killed_at_random_moments_leaves_only_whole_blocks(shm_dir):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)

@@ -2,11 +2,14 @@
 point wherever ucm-lab is installed): the markers and the fixtures that start something
 outside the test process.
 
-Markers (``-m "not engine"`` and so on; the quick tier deselects all three):
+Markers (``-m "not engine"`` and so on; the quick tier deselects the first three):
 
 - ``engine``: runs a real engine (vLLM or a server), seconds to minutes a test;
 - ``root``: needs root (network namespaces, mounts);
-- ``mooncake``: needs Mooncake's client and daemons.
+- ``mooncake``: needs Mooncake's client and daemons;
+- ``stress``: many thousands of operations or random kills, tens of seconds: the code they
+  drive is the interpreter-independent code that quicker tests cover, so ``nox -s tests``
+  runs them on the main Python only.
 
 Tests that use a fixture below get its marker without writing it.  Where Mooncake is
 missing, its tests skip, except under ``UCM_REQUIRE_MOONCAKE=1`` (what the nox sessions
@@ -31,6 +34,7 @@ MARKERS = {
     "engine": "runs a real engine (vLLM, a vLLM server): slow",
     "root": "needs root (network namespaces, mounts)",
     "mooncake": "needs Mooncake's client and daemons",
+    "stress": "thousands of operations or random kills: runs on the main Python only",
 }
 # fixture -> the markers a test using it gets
 FIXTURE_MARKERS = {

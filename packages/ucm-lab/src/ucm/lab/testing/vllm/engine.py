@@ -1,5 +1,6 @@
 """Run ``ucm.lab.testing.vllm.run_engine`` in a fresh process (a fresh vLLM, nothing in its
-own cache)."""
+own cache): a child of the tests' zygote, which imported vLLM once (``ucm.lab.testing.zygote``),
+or under a ``prefix`` (another network namespace) a new interpreter."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ucm.lab.testing.zygote import forked
+
 
 def run_engine(
     spec: dict[str, Any], timeout: float = 600, prefix: Sequence[str] = ()
@@ -21,8 +24,9 @@ def run_engine(
 
 def start_engine(spec: dict[str, Any], prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "ucm.lab.testing.vllm.run_engine", json.dumps(spec)]
     return subprocess.Popen(
-        [*prefix, sys.executable, "-m", "ucm.lab.testing.vllm.run_engine", json.dumps(spec)],
+        [*prefix, *(command if prefix else forked(command))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
 

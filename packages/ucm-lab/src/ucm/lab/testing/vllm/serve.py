@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ucm.lab.vllm.serve_process import ServeProcess, connector_config
+from ucm.lab.testing.zygote import forked
+from ucm.lab.vllm.serve_process import ServeProcess, connector_config, serve_command
 
 MODEL_NAME = "tiny"
 
@@ -45,6 +46,8 @@ class Server(ServeProcess):
             command += ["--kv-transfer-config", connector_config(store, extra)]
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
         env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+        if launcher is None and not prefix:  # a child of the zygote: vLLM imported already
+            launcher = forked(serve_command())
         super().__init__(
             model, command, log_path, host=host, port=None if host == "127.0.0.1" else 8000,
             prefix=prefix, env=env, launcher=launcher,

@@ -1,0 +1,314 @@
+"""Engine processes forked from one that has imported vLLM already (the tests' start-up).
+
+Importing torch and vLLM takes 15 of the 24 s a test engine of the tiny model lives here,
+``vllm serve`` imports them three times over (the API server, then the engine core and the
+worker, which vLLM CPU starts with multiprocessing's "spawn"), and the suite starts over a
+hundred such processes.  A zygote imports them once and then only forks: each process is a
+fresh child of it that runs as ``python -m MODULE ARGS`` or ``python -c CODE ARGS`` would,
+with the environment, the working folder and the open files of whoever asked for it.
+
+Who asks is a launcher (``launcher_command``; the file ``launcher`` in the zygote's folder),
+a small Python process that hands the zygote its open files over a Unix socket (SCM_RIGHTS)
+and exits with the child's exit status, forwarding SIGTERM, SIGINT and SIGHUP to it: the
+caller holds an ordinary process (``subprocess.Popen``: ``communicate``, ``kill``,
+``returncode``) whatever ran behind it.  In a child, multiprocessing's "spawn" starts its
+processes through the launcher too (``multiprocessing.set_executable``), so vLLM's engine
+core and workers are children of the zygote as well.  Killing a launcher kills its child
+and everything the child started (the child leads a session of its own and watches the
+launcher's socket); the zygote ends when its parent does, taking its children along.
+
+A child's ``sys.path`` is the zygote's (PYTHONPATH is read when the zygote starts). The
+zygote is single-threaded: forking copies only the forking thread, and a lock held by any
+other would stay held in the child for good.
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import types
+from collections.abc import Sequence
+from pathlib import Path
+
+# The launcher: the standard library only, nothing of ours to import (its start-up is the
+# interpreter's, a few tens of milliseconds).  It is a file of its own (``#!python``) so
+# that multiprocessing can take it as its executable.
+LAUNCHER = r"""
+import array, json, os, signal, socket, sys
+path = SOCKET_PATH
+args = sys.argv[1:]
+while args and args[0] not in ("-m", "-c"):
+    args = args[1:]  # interpreter flags multiprocessing passes on: not ours to honour
+kind, what, args = args[0], args[1], args[2:]
+child, pending = 0, []
+def forward(sig, frame):  # a process manager's signal is the child's to handle
+    if child:
+        os.kill(child, sig)
+    else:
+        pending.append(sig)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, forward)
+opened = []
+for fd in sorted(int(n) for n in os.listdir("/proc/self/fd")):
+    try:
+        os.fstat(fd)
+        opened.append(fd)
+    except OSError:
+        pass  # the listing's own descriptor, closed by now
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(path)
+request = json.dumps({kind[1]: what, "args": args, "env": dict(os.environ), "cwd": os.getcwd(),
+                      "fds": opened}).encode()
+s.sendmsg([len(request).to_bytes(8, "big") + request],
+          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", opened))])
+for fd in opened:
+    os.close(fd)  # the child holds them now: pipes see their end when it ends
+def word():
+    data = b""
+    while len(data) < 4:
+        chunk = s.recv(4 - len(data))
+        if not chunk:
+            os._exit(70)  # the zygote died before it could tell
+        data += chunk
+    return int.from_bytes(data, "big", signed=True)
+child = word()
+for sig in pending:
+    os.kill(child, sig)
+code = word()
+os._exit(code if code >= 0 else 128 - code)
+"""
+
+# modules the tests' engines and servers import on their way: imported once, here
+PRELOAD = (
+    "torch",
+    "vllm",
+    "vllm.entrypoints.llm",
+    "vllm.entrypoints.launchers.api_server.entry",
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.attention.backends.cpu_attn",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.model_loader",
+    "vllm.lora.request",
+    "vllm.plugins.lora_resolvers.filesystem_resolver",
+    "compressed_tensors",
+    "torch._inductor.codegen.cpp",
+    "sympy.combinatorics",
+    "ucm.vllm",
+    "ucm.vllm.connector",
+)
+
+
+class Zygote:
+    """A zygote process in the environment ``env``, importing ``preload``; started on first
+    use, stopped with ``close``."""
+
+    def __init__(self, env: dict[str, str] | None = None, preload: Sequence[str] = PRELOAD):
+        self._env = env
+        self._preload = tuple(preload)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir = ""
+        self._lock = threading.Lock()
+
+    def launcher(self, timeout: float = 300) -> str:
+        """The launcher's path, starting the zygote (and waiting for its imports) if need
+        be."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            return str(Path(self._dir, "launcher"))
+
+    def command(self, module: str, args: Sequence[str]) -> list[str]:
+        """The command that runs ``python -m module args`` as a child of the zygote."""
+        return [self.launcher(), "-m", module, *args]
+
+    def _start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ucm-zygote-")  # 0700: the socket is ours
+        sock = Path(self._dir, "zygote.sock")
+        launcher = Path(self._dir, "launcher")
+        launcher.write_text(
+            f"#!{sys.executable}\n" + LAUNCHER.replace("SOCKET_PATH", repr(str(sock)))
+        )
+        launcher.chmod(0o700)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "ucm.lab.testing.zygote", str(sock), str(launcher),
+             *self._preload],
+            env=self._env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        assert self._proc.stdout is not None
+        if self._proc.stdout.readline().strip() != b"ready":
+            self._proc.kill()
+            raise RuntimeError(f"the zygote did not start (exit {self._proc.wait()})")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc.wait()
+                self._proc = None
+            if self._dir:
+                for name in ("zygote.sock", "launcher"):
+                    Path(self._dir, name).unlink(missing_ok=True)
+                os.rmdir(self._dir)
+                self._dir = ""
+
+
+_zygote: Zygote | None = None
+
+
+def forked(command: Sequence[str]) -> list[str]:
+    """``command`` as a child of this process's zygote where it is ``python -m MODULE ...``
+    of this interpreter and ``UCM_TEST_ZYGOTE`` is not 0; else ``command`` as it is."""
+    global _zygote
+    command = list(command)
+    if (
+        len(command) < 3
+        or command[:2] != [sys.executable, "-m"]
+        or os.environ.get("UCM_TEST_ZYGOTE", "1") == "0"
+    ):
+        return command
+    if _zygote is None:
+        _zygote = Zygote({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+        atexit.register(_zygote.close)
+    return _zygote.command(command[2], command[3:])
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    data, ancdata, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(256 * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    size = int.from_bytes(data[:8], "big")
+    body = bytearray(data[8:])
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise ConnectionError("the launcher left mid-request")
+        body += chunk
+    return json.loads(body), list(fds)
+
+
+def _child(conn: socket.socket, request: dict, received: list[int], launcher: str) -> None:
+    """In the forked child: become the process the launcher asked for."""
+    import fcntl
+    import multiprocessing
+    import runpy
+
+    os.setsid()  # a group of its own, for the watchdog to kill whole
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    # the launcher's files at the launcher's numbers: first all of them, and the socket,
+    # out of the way of those numbers
+    base = max([1023, *request["fds"], *received]) + 1
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in received]
+    low = conn.detach()
+    conn = socket.socket(fileno=fcntl.fcntl(low, fcntl.F_DUPFD, base))
+    for fd in [*received, low]:
+        os.close(fd)
+    for target, fd in zip(request["fds"], high):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own streams)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    multiprocessing.set_executable(launcher)  # its "spawn" comes back here too
+
+    def watch() -> None:  # the launcher gone (killed): so is everything started here
+        while conn.recv(1):
+            pass
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+    if "m" in request:
+        sys.argv = [request["m"], *request["args"]]
+        runpy.run_module(request["m"], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = ["-c", *request["args"]]
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(request["c"], "<string>", "exec"), main.__dict__)
+    sys.exit(0)
+
+
+def serve(path: str, launcher: str, preload: Sequence[str]) -> None:
+    """Import, listen at ``path``, fork a child per request, report each child's pid and
+    then its exit status to its launcher."""
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # an engine that needs it imports it itself
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    parent = os.getppid()
+    print("ready", flush=True)
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == parent:
+        for _ in sel.select(timeout=0.2):
+            conn, _ = server.accept()
+            try:
+                request, fds = _receive(conn)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                sel.close()
+                server.close()
+                for other in children.values():
+                    other.close()
+                _child(conn, request, fds, launcher)  # ends in SystemExit: never returns
+            for fd in fds:
+                os.close(fd)
+            try:
+                conn.sendall(pid.to_bytes(4, "big", signed=True))
+            except OSError:
+                pass  # the launcher is gone: the child's watchdog ends it
+            children[pid] = conn
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid)
+            try:
+                conn.sendall(os.waitstatus_to_exitcode(status).to_bytes(4, "big", signed=True))
+            except OSError:
+                pass
+            conn.close()
+    for pid in children:  # the parent is gone: so are the processes it asked for
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for leftover in (path, launcher):  # and so is the folder it made for us
+        Path(leftover).unlink(missing_ok=True)
+    os.rmdir(os.path.dirname(path))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,149 @@
+"""The tests' zygote: a child of it behaves as ``python -m MODULE ARGS`` would, to whoever
+started the launcher (streams, environment, folder, exit status, signals), and nothing it
+started outlives a killed launcher or the zygote's parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from ucm.lab.testing.zygote import Zygote
+
+PROBE = textwrap.dedent(
+    """
+    import json, multiprocessing, os, signal, subprocess, sys, time
+
+    def report(queue):
+        queue.put([os.getpid(), os.getppid()])
+
+    def main(mode):
+        if mode == "echo":
+            print(json.dumps({"args": sys.argv[1:], "cwd": os.getcwd(), "name": __name__,
+                              "probe": os.environ.get("PROBE"), "stdin": sys.stdin.read()}))
+            print("to stderr", file=sys.stderr)
+            sys.exit(7)
+        if mode == "tree":  # a grandchild too, as vLLM's engine core would be
+            sleeper = subprocess.Popen(["sleep", "60"])
+            print(os.getpid(), sleeper.pid, flush=True)
+            time.sleep(60)
+        if mode == "term":  # a server's orderly stop
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+            print("ready", flush=True)
+            time.sleep(60)
+        if mode == "crash":
+            raise RuntimeError("boom")
+        if mode == "spawn":  # as vLLM CPU starts its engine core and workers
+            ctx = multiprocessing.get_context("spawn")
+            queue = ctx.Queue()
+            proc = ctx.Process(target=report, args=(queue,))
+            proc.start()
+            print(json.dumps(queue.get(timeout=60)), flush=True)
+            proc.join(60)
+            print(proc.exitcode, flush=True)
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+    """
+)
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    (tmp_path / "zygote_probe.py").write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    z = Zygote(env, preload=("json",))
+    yield z
+    z.close()
+
+
+def gone(pid: int, within: float = 10) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_child_has_the_launchers_streams_environment_folder_and_exit_status(zygote, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run(
+        zygote.command("zygote_probe", ["echo", "a b", "--x"]),
+        input="from stdin", capture_output=True, text=True, cwd=work,
+        env=dict(os.environ, PROBE="asked"), timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 7
+    assert proc.stderr == "to stderr\n"
+    assert json.loads(proc.stdout) == {
+        "args": ["echo", "a b", "--x"], "cwd": str(work), "name": "__main__",
+        "probe": "asked", "stdin": "from stdin",
+    }  # fmt: skip
+
+
+def test_an_exception_is_exit_1_with_its_traceback(zygote):
+    proc = subprocess.run(
+        zygote.command("zygote_probe", ["crash"]), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1
+    assert "RuntimeError: boom" in proc.stderr
+
+
+def test_sigterm_to_the_launcher_is_the_childs_to_handle(zygote):
+    proc = subprocess.Popen(
+        zygote.command("zygote_probe", ["term"]), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 3
+
+
+def test_multiprocessing_spawns_children_of_the_zygote_too(zygote):
+    proc = subprocess.run(
+        zygote.command("zygote_probe", ["spawn"]), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    first, last = proc.stdout.splitlines()
+    child, parent = json.loads(first)
+    assert parent == zygote._proc.pid and child != parent  # forked, not a new interpreter
+    assert last == "0"
+
+
+def test_a_killed_launcher_takes_the_child_and_what_it_started_along(zygote):
+    proc = subprocess.Popen(
+        zygote.command("zygote_probe", ["tree"]), stdout=subprocess.PIPE, text=True
+    )
+    child, grandchild = map(int, proc.stdout.readline().split())
+    proc.kill()
+    proc.wait(10)
+    assert gone(child) and gone(grandchild)
+
+
+def test_the_zygote_ends_with_its_parent_and_so_do_its_children(tmp_path):
+    (tmp_path / "zygote_probe.py").write_text(PROBE)
+    # a parent that starts a zygote and a child of it, says their pids and is killed
+    parent = textwrap.dedent(
+        f"""
+        import os, subprocess, sys
+        from ucm.lab.testing.zygote import Zygote
+        z = Zygote(dict(os.environ, PYTHONPATH={str(tmp_path)!r}), preload=())
+        proc = subprocess.Popen(z.command("zygote_probe", ["tree"]), stdout=subprocess.PIPE,
+                                text=True)
+        print(z._proc.pid, proc.stdout.readline().strip(), flush=True)
+        import time; time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    zygote_pid, child, grandchild = map(int, proc.stdout.readline().split())
+    proc.kill()
+    proc.wait(10)
+    # the launcher was the parent's child: it lives on, but the zygote and its tree do not
+    assert gone(zygote_pid) and gone(child) and gone(grandchild)
