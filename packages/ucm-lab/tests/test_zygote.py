@@ -36,6 +36,8 @@ PROBE = textwrap.dedent(
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
             print("ready", flush=True)
             time.sleep(60)
+        if mode == "pid":
+            print(os.getpid(), flush=True)
         if mode == "crash":
             raise RuntimeError("boom")
         if mode == "spawn":  # as vLLM CPU starts its engine core and workers
@@ -54,10 +56,11 @@ PROBE = textwrap.dedent(
 
 
 @pytest.fixture
-def zygote(tmp_path):
+def zygote(tmp_path, monkeypatch):
     (tmp_path / "zygote_probe.py").write_text(PROBE)
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    z = Zygote(env, preload=("json",))
+    # the probe importable by the zygote and by every process the tests start
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    z = Zygote(dict(os.environ), preload=("json",))
     yield z
     z.close()
 
@@ -117,6 +120,18 @@ def test_multiprocessing_spawns_children_of_the_zygote_too(zygote):
     assert last == "0"
 
 
+def test_what_acts_at_a_process_start_is_honoured_by_a_new_interpreter(zygote):
+    for env, forked in (({}, True), ({"OMP_NUM_THREADS": "1"}, False), ({"LD_PRELOAD": ""}, False)):
+        proc = subprocess.Popen(
+            zygote.command("zygote_probe", ["pid"]), stdout=subprocess.PIPE, text=True,
+            env={**os.environ, **env},
+        )  # fmt: skip
+        pid = int(proc.stdout.read())
+        assert proc.wait(60) == 0
+        # exec keeps the launcher's pid; a fork of the zygote has one of its own
+        assert (pid != proc.pid) is forked, env
+
+
 def test_a_killed_launcher_takes_the_child_and_what_it_started_along(zygote):
     proc = subprocess.Popen(
         zygote.command("zygote_probe", ["tree"]), stdout=subprocess.PIPE, text=True
@@ -131,17 +146,20 @@ def test_the_zygote_ends_with_its_parent_and_so_do_its_children(tmp_path):
     (tmp_path / "zygote_probe.py").write_text(PROBE)
     # a parent that starts a zygote and a child of it, says their pids and is killed
     parent = textwrap.dedent(
-        f"""
+        """
         import os, subprocess, sys
         from ucm.lab.testing.zygote import Zygote
-        z = Zygote(dict(os.environ, PYTHONPATH={str(tmp_path)!r}), preload=())
+        z = Zygote(dict(os.environ), preload=())
         proc = subprocess.Popen(z.command("zygote_probe", ["tree"]), stdout=subprocess.PIPE,
                                 text=True)
         print(z._proc.pid, proc.stdout.readline().strip(), flush=True)
         import time; time.sleep(60)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, env=env
+    )
     zygote_pid, child, grandchild = map(int, proc.stdout.readline().split())
     proc.kill()
     proc.wait(10)

@@ -1,25 +1,30 @@
 """Engine processes forked from one that has imported vLLM already (the tests' start-up).
 
 Importing torch and vLLM takes 15 of the 24 s a test engine of the tiny model lives here,
-``vllm serve`` imports them three times over (the API server, then the engine core and the
-worker, which vLLM CPU starts with multiprocessing's "spawn"), and the suite starts over a
-hundred such processes.  A zygote imports them once and then only forks: each process is a
-fresh child of it that runs as ``python -m MODULE ARGS`` or ``python -c CODE ARGS`` would,
-with the environment, the working folder and the open files of whoever asked for it.
+and the suite starts about a hundred engines and servers.  A zygote imports them once and
+then only forks: each process is a fresh child of it that runs as ``python -m MODULE ARGS``
+or ``python -c CODE ARGS`` would, with the environment, the working folder and the open
+files of whoever asked for it.
 
 Who asks is a launcher (``launcher_command``; the file ``launcher`` in the zygote's folder),
 a small Python process that hands the zygote its open files over a Unix socket (SCM_RIGHTS)
 and exits with the child's exit status, forwarding SIGTERM, SIGINT and SIGHUP to it: the
 caller holds an ordinary process (``subprocess.Popen``: ``communicate``, ``kill``,
-``returncode``) whatever ran behind it.  In a child, multiprocessing's "spawn" starts its
-processes through the launcher too (``multiprocessing.set_executable``), so vLLM's engine
-core and workers are children of the zygote as well.  Killing a launcher kills its child
-and everything the child started (the child leads a session of its own and watches the
-launcher's socket); the zygote ends when its parent does, taking its children along.
+``returncode``) whatever ran behind it.  Killing a launcher kills its child and everything
+the child started (the child leads a session of its own and watches the launcher's socket);
+the zygote ends when its parent does, taking its children along.
 
-A child's ``sys.path`` is the zygote's (PYTHONPATH is read when the zygote starts). The
-zygote is single-threaded: forking copies only the forking thread, and a lock held by any
-other would stay held in the child for good.
+A fork is faithful only where nothing read at a process's start differs: a request whose
+environment differs from the zygote's in such variables (``ACTS_AT_EXEC``) becomes a new
+interpreter instead (the launcher execs it).  In a child, multiprocessing's "spawn" goes
+through the launcher too (``multiprocessing.set_executable``); vLLM CPU starts its engine
+core and workers with LD_PRELOAD and OpenMP's thread binding set, so those are new
+interpreters, as they are outside the tests, and compute as they would there (forked, they
+computed logprobs 0.003 apart).  What is saved is the import of the process the test starts:
+the whole start-up of a one-process engine, a third of a server's.
+
+The zygote is single-threaded: forking copies only the forking thread, and a lock held by
+any other would stay held in the child for good.
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ from pathlib import Path
 LAUNCHER = r"""
 import array, json, os, signal, socket, sys
 path = SOCKET_PATH
+def acts_at_exec(name):
+    return name in ("LD_PRELOAD", "LD_LIBRARY_PATH") or name.startswith(ACTS_AT_EXEC)
+if {k: v for k, v in os.environ.items() if acts_at_exec(k)} != EXEC_ENV:
+    # what the dynamic loader, the OpenMP runtime or the interpreter read when a process
+    # starts differs from the zygote's: only a new interpreter honours it
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 args = sys.argv[1:]
 while args and args[0] not in ("-m", "-c"):
     args = args[1:]  # interpreter flags multiprocessing passes on: not ours to honour
@@ -87,6 +98,18 @@ for sig in pending:
 code = word()
 os._exit(code if code >= 0 else 128 - code)
 """
+
+# Variables read when a process starts (by the dynamic loader, OpenMP and math runtimes as
+# they load, the interpreter): a child forked from the zygote would run with the zygote's
+# values, so a request whose values differ runs in a new interpreter.  vLLM CPU starts its
+# engine core and workers with LD_PRELOAD (tcmalloc, libgomp) and OpenMP's thread binding
+# set: those take the slow way, and compute as they would anywhere.
+ACTS_AT_EXEC = ("OMP_", "GOMP_", "KMP_", "MKL_", "MALLOC_", "PYTHON")
+
+
+def _acts_at_exec(name: str) -> bool:
+    return name in ("LD_PRELOAD", "LD_LIBRARY_PATH") or name.startswith(ACTS_AT_EXEC)
+
 
 # modules the tests' engines and servers import on their way: imported once, here
 PRELOAD = (
@@ -141,9 +164,11 @@ class Zygote:
         self._dir = tempfile.mkdtemp(prefix="ucm-zygote-")  # 0700: the socket is ours
         sock = Path(self._dir, "zygote.sock")
         launcher = Path(self._dir, "launcher")
-        launcher.write_text(
-            f"#!{sys.executable}\n" + LAUNCHER.replace("SOCKET_PATH", repr(str(sock)))
-        )
+        env = os.environ if self._env is None else self._env
+        exec_env = {k: v for k, v in env.items() if _acts_at_exec(k)}
+        code = LAUNCHER.replace("SOCKET_PATH", repr(str(sock)))
+        code = code.replace("ACTS_AT_EXEC", repr(ACTS_AT_EXEC)).replace("EXEC_ENV", repr(exec_env))
+        launcher.write_text(f"#!{sys.executable}\n{code}")
         launcher.chmod(0o700)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "ucm.lab.testing.zygote", str(sock), str(launcher),
