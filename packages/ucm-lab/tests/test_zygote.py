@@ -121,7 +121,13 @@ def test_multiprocessing_spawns_children_of_the_zygote_too(zygote):
 
 
 def test_what_acts_at_a_process_start_is_honoured_by_a_new_interpreter(zygote):
-    for env, forked in (({}, True), ({"OMP_NUM_THREADS": "1"}, False), ({"LD_PRELOAD": ""}, False)):
+    # values that differ from the zygote's (an OpenMP-like name the environment lacks)
+    preload = os.environ.get("LD_PRELOAD", "") + " "
+    for env, forked in (
+        ({}, True),
+        ({"OMP_UCM_PROBE": "1"}, False),
+        ({"LD_PRELOAD": preload}, False),
+    ):
         proc = subprocess.Popen(
             zygote.command("zygote_probe", ["pid"]), stdout=subprocess.PIPE, text=True,
             env={**os.environ, **env},

@@ -6,7 +6,7 @@ then only forks: each process is a fresh child of it that runs as ``python -m MO
 or ``python -c CODE ARGS`` would, with the environment, the working folder and the open
 files of whoever asked for it.
 
-Who asks is a launcher (``launcher_command``; the file ``launcher`` in the zygote's folder),
+Who asks is a launcher (``Zygote.command``; the file ``launcher`` in the zygote's folder),
 a small Python process that hands the zygote its open files over a Unix socket (SCM_RIGHTS)
 and exits with the child's exit status, forwarding SIGTERM, SIGINT and SIGHUP to it: the
 caller holds an ordinary process (``subprocess.Popen``: ``communicate``, ``kill``,
@@ -15,13 +15,13 @@ the child started (the child leads a session of its own and watches the launcher
 the zygote ends when its parent does, taking its children along.
 
 A fork is faithful only where nothing read at a process's start differs: a request whose
-environment differs from the zygote's in such variables (``ACTS_AT_EXEC``) becomes a new
-interpreter instead (the launcher execs it).  In a child, multiprocessing's "spawn" goes
-through the launcher too (``multiprocessing.set_executable``); vLLM CPU starts its engine
-core and workers with LD_PRELOAD and OpenMP's thread binding set, so those are new
-interpreters, as they are outside the tests, and compute as they would there (forked, they
-computed logprobs 0.003 apart).  What is saved is the import of the process the test starts:
-the whole start-up of a one-process engine, a third of a server's.
+environment differs from the zygote's in such variables (``EXEC_NAMES``, ``EXEC_PREFIXES``)
+becomes a new interpreter instead (the launcher execs it).  In a child, multiprocessing's
+"spawn" goes through the launcher too (``multiprocessing.set_executable``); vLLM CPU starts
+its engine core and workers with LD_PRELOAD and OpenMP's thread binding set, so those are
+new interpreters, as they are outside the tests, and compute as they would there (forked,
+they computed logprobs 0.003 apart).  What is saved is the import of the process the test
+starts: the whole start-up of a one-process engine, a third of a server's.
 
 The zygote is single-threaded: forking copies only the forking thread, and a lock held by
 any other would stay held in the child for good.
@@ -50,10 +50,10 @@ from pathlib import Path
 # that multiprocessing can take it as its executable.
 LAUNCHER = r"""
 import array, json, os, signal, socket, sys
-path = SOCKET_PATH
+path = @SOCKET@
 def acts_at_exec(name):
-    return name in ("LD_PRELOAD", "LD_LIBRARY_PATH") or name.startswith(ACTS_AT_EXEC)
-if {k: v for k, v in os.environ.items() if acts_at_exec(k)} != EXEC_ENV:
+    return name in @EXEC_NAMES@ or name.startswith(@EXEC_PREFIXES@)
+if {k: v for k, v in os.environ.items() if acts_at_exec(k)} != @EXEC_ENV@:
     # what the dynamic loader, the OpenMP runtime or the interpreter read when a process
     # starts differs from the zygote's: only a new interpreter honours it
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
@@ -104,11 +104,12 @@ os._exit(code if code >= 0 else 128 - code)
 # values, so a request whose values differ runs in a new interpreter.  vLLM CPU starts its
 # engine core and workers with LD_PRELOAD (tcmalloc, libgomp) and OpenMP's thread binding
 # set: those take the slow way, and compute as they would anywhere.
-ACTS_AT_EXEC = ("OMP_", "GOMP_", "KMP_", "MKL_", "MALLOC_", "PYTHON")
+EXEC_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH")
+EXEC_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "MALLOC_", "PYTHON")
 
 
 def _acts_at_exec(name: str) -> bool:
-    return name in ("LD_PRELOAD", "LD_LIBRARY_PATH") or name.startswith(ACTS_AT_EXEC)
+    return name in EXEC_NAMES or name.startswith(EXEC_PREFIXES)
 
 
 # modules the tests' engines and servers import on their way: imported once, here
@@ -166,8 +167,10 @@ class Zygote:
         launcher = Path(self._dir, "launcher")
         env = os.environ if self._env is None else self._env
         exec_env = {k: v for k, v in env.items() if _acts_at_exec(k)}
-        code = LAUNCHER.replace("SOCKET_PATH", repr(str(sock)))
-        code = code.replace("ACTS_AT_EXEC", repr(ACTS_AT_EXEC)).replace("EXEC_ENV", repr(exec_env))
+        code = LAUNCHER
+        for name, value in (("SOCKET", str(sock)), ("EXEC_NAMES", EXEC_NAMES),
+                            ("EXEC_PREFIXES", EXEC_PREFIXES), ("EXEC_ENV", exec_env)):  # fmt: skip
+            code = code.replace(f"@{name}@", repr(value))
         launcher.write_text(f"#!{sys.executable}\n{code}")
         launcher.chmod(0o700)
         self._proc = subprocess.Popen(
