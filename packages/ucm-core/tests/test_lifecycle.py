@@ -1,7 +1,6 @@
 import threading
 
 import pytest
-
 from ucm.core.lifecycle import DumpTracker
 from ucm.core.store.task import OK, KeyResult, Status, Task
 
