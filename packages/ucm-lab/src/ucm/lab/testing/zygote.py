@@ -149,7 +149,7 @@ class Zygote:
         self._dir = ""
         self._lock = threading.Lock()
 
-    def launcher(self, timeout: float = 300) -> str:
+    def launcher(self) -> str:
         """The launcher's path, starting the zygote (and waiting for its imports) if need
         be."""
         with self._lock:
@@ -190,10 +190,20 @@ class Zygote:
                 self._proc.wait()
                 self._proc = None
             if self._dir:
-                for name in ("zygote.sock", "launcher"):
-                    Path(self._dir, name).unlink(missing_ok=True)
-                os.rmdir(self._dir)
+                _remove_folder(self._dir)
                 self._dir = ""
+
+
+def _remove_folder(folder: str) -> None:
+    """The zygote's folder and the two files it ever holds."""
+    for name in ("zygote.sock", "launcher"):
+        Path(folder, name).unlink(missing_ok=True)
+    os.rmdir(folder)
+
+
+def _word(n: int) -> bytes:
+    """A pid or an exit status as the launcher reads it: 4 bytes, signed."""
+    return n.to_bytes(4, "big", signed=True)
 
 
 _zygote: Zygote | None = None
@@ -311,7 +321,7 @@ def serve(path: str, launcher: str, preload: Sequence[str]) -> None:
             for fd in fds:
                 os.close(fd)
             try:
-                conn.sendall(pid.to_bytes(4, "big", signed=True))
+                conn.sendall(_word(pid))
             except OSError:
                 pass  # the launcher is gone: the child's watchdog ends it
             children[pid] = conn
@@ -324,7 +334,7 @@ def serve(path: str, launcher: str, preload: Sequence[str]) -> None:
                 break
             conn = children.pop(pid)
             try:
-                conn.sendall(os.waitstatus_to_exitcode(status).to_bytes(4, "big", signed=True))
+                conn.sendall(_word(os.waitstatus_to_exitcode(status)))
             except OSError:
                 pass
             conn.close()
@@ -333,9 +343,7 @@ def serve(path: str, launcher: str, preload: Sequence[str]) -> None:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
-    for leftover in (path, launcher):  # and so is the folder it made for us
-        Path(leftover).unlink(missing_ok=True)
-    os.rmdir(os.path.dirname(path))
+    _remove_folder(os.path.dirname(path))  # and so is the folder made for us
 
 
 if __name__ == "__main__":
