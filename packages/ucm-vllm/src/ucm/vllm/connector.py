@@ -18,10 +18,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from ucm.core.threads import place_store_threads
 from ucm.vllm.config import connector_config, sync_loads
 from ucm.vllm.events import StoredEvents, StoredReport, medium_of
 from ucm.vllm.gauges import GaugeSampler
 from ucm.vllm.layout import describe
+from ucm.vllm.placement import worker_store_cpus
 from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.vllm.stores import ConnectorStores
@@ -53,8 +55,13 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tensor_model_parallel_rank,
                 get_tensor_model_parallel_world_size,
             )
+            from vllm.platforms import current_platform
 
             rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            # before the stores open: the threads they start go there
+            place_store_threads(
+                worker_store_cpus(self.config.store_cpus, current_platform.is_cpu())
+            )
         else:
             rank, world = 0, vllm_config.parallel_config.tensor_parallel_size
         self.layout = describe(vllm_config, kv_cache_config, self.config, rank, world)

@@ -234,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         default=BLOCK_SIZE,
         help="LMCache's chunk size (its default is 256; 32 and 64 measured faster here)",
     )
+    p.add_argument(
+        "--store-cpus", default="spare",
+        help="UCM's store_cpus: spare (the default: the core vLLM leaves free), inherit (the "
+        "worker's compute core) or a CPU list",
+    )  # fmt: skip
     p.add_argument("--kv-share", type=float, default=0.25, help="vLLM's KV space / all histories")
     p.add_argument("--restart-after", type=int, default=None, help="rounds before the restart")
     p.add_argument("--json", default=None, help="also write the report here")
@@ -270,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": attrs.asdict(workload),
         "in_flight": args.in_flight, "kv_share": args.kv_share, "kv_blocks": kv_blocks,
         "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
+        "ucm_store_cpus": args.store_cpus,
         "history_tokens": workload.history_tokens(), "restart_after_round": args.restart_after,
         "model": model_config, "block_size": BLOCK_SIZE, "systems": names,
         "machine": machine(),
@@ -286,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}]", file=sys.stderr)
             try:
                 system = make_system(
-                    name, work, args.block_tokens, args.lmcache_chunk_tokens, args.lmcache_python
-                )
+                    name, work, args.block_tokens, args.lmcache_chunk_tokens,
+                    args.lmcache_python, args.store_cpus,
+                )  # fmt: skip
             except ValueError as exc:
                 results[name] = {"system": name, "refused": str(exc)}
                 continue

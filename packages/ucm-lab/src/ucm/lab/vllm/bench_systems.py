@@ -110,16 +110,18 @@ def make_system(
     block_tokens: int,
     chunk_tokens: int,
     lmcache_python: str | None = None,
+    store_cpus: str = "spare",
 ) -> System:
     """``name``'s system, its files under ``work``; ``block_tokens``: UCM's stored block,
-    ``chunk_tokens``: LMCache's chunk, in tokens (each store's hits come in these)."""
+    ``chunk_tokens``: LMCache's chunk, in tokens (each store's hits come in these);
+    ``store_cpus``: where UCM's store threads run."""
     if name == "vllm":
         return System(name, [])
     if name == "vllm-floor":
         return System(name, [], floor=True)
     if name.startswith("ucm-"):
         store = _ucm_store(name[len("ucm-") :], work)
-        config = connector_config(store, {"block_tokens": block_tokens})
+        config = connector_config(store, {"block_tokens": block_tokens, "store_cpus": store_cpus})
         return System(name, ["--kv-transfer-config", config])
     if name == "lmcache":
         if lmcache_python is None:

@@ -34,7 +34,6 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,7 @@ from ucm.core.store.payload import Payload
 from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
 from ucm.core.store.writes import SlotWrites
+from ucm.core.threads import store_pool
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class SharedMemoryStore(Store):
         self._signer = signer_for(config.secret)
         self._arena: Arena | None = None  # attached on first use: see check_block_bytes
         self._arena_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="ucm-shm")
+        self._pool = store_pool(config.threads, "ucm-shm")
         self._closed = False
         self._evictions = EvictionWatch()
 

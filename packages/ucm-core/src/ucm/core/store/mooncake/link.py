@@ -23,6 +23,7 @@ from typing import Any
 from ucm.core.settings import ConfigError
 from ucm.core.store.mooncake.config import MooncakeStoreConfig
 from ucm.core.store.mooncake.leader import master_address
+from ucm.core.threads import store_thread
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class MasterLink:
         self._closed = False
         self._ever_up = False
         self.failures = 0  # times the master was taken as down
-        self._thread = threading.Thread(target=self._run, name="ucm-mooncake-link", daemon=True)
+        self._thread = store_thread(self._run, "ucm-mooncake-link")
         self._thread.start()
 
     @property

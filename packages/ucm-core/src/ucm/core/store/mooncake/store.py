@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -41,6 +41,7 @@ from ucm.core.store.mooncake.config import MooncakeStoreConfig
 from ucm.core.store.mooncake.link import MasterLink
 from ucm.core.store.payload import Payload
 from ucm.core.store.task import KeyResult, Status, Task
+from ucm.core.threads import store_pool
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +148,9 @@ class MooncakeStore(Store):
         if make_client is None:
             make_client = _mooncake_client_class()
         self._link = MasterLink(self.config, make_client)
-        self._pool = ThreadPoolExecutor(
-            self.config.io_thread_count, thread_name_prefix="ucm-mooncake"
-        )
+        self._pool = store_pool(self.config.io_thread_count, "ucm-mooncake")
         # Lookups run here so that one can be given up on after timeout_s.
-        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="ucm-mooncake-lookup")
+        self._lookups = store_pool(2, "ucm-mooncake-lookup")
         self._lock = threading.Lock()
         self._errors = 0
         self.dropped = 0  # keys not dumped, or answered miss, because the master was down

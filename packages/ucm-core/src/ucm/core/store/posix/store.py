@@ -29,7 +29,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from ucm.core.block_format import (
     HEADER_BYTES,
@@ -78,6 +77,7 @@ from ucm.core.store.posix.layout import (
 )
 from ucm.core.store.posix.usage import SharedUsage
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
+from ucm.core.threads import store_pool, store_thread
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class PosixStore(Store):
             )
         self._capacity = Capacity(self._limit, self.config.evict_fraction)
         self._direct = self.config.o_direct and bool(O_DIRECT)
-        self._pool = ThreadPoolExecutor(self.config.io_thread_count, thread_name_prefix="ucm-posix")
+        self._pool = store_pool(self.config.io_thread_count, "ucm-posix")
         self._bounce = Bounce()
         self._lock = threading.Lock()  # guards the in-flight bytes and the counters below
         self._reading: Counter[str] = Counter()
@@ -152,17 +152,13 @@ class PosixStore(Store):
         # read before this process can publish a block: what it publishes from now on is
         # in the count's change, not in what the scan finds (_published_before_scan)
         before = self._usage.read() if self._usage is not None else (0, 0)
-        threading.Thread(
-            target=self._initial_scan, args=(before,), name="ucm-posix-scan", daemon=True
-        ).start()
+        store_thread(self._initial_scan, "ucm-posix-scan", args=(before,)).start()
         # Keeps room ahead of the writers, so that a dump rarely waits for an eviction pass.
         self._evictor: threading.Event | None = None
         self._evicting_thread: threading.Thread | None = None
         if self._limit is not None and not self._read_only:
             self._evictor = threading.Event()
-            self._evicting_thread = threading.Thread(
-                target=self._keep_room, name="ucm-posix-evict", daemon=True
-            )
+            self._evicting_thread = store_thread(self._keep_room, "ucm-posix-evict")
             self._evicting_thread.start()
 
     def _prepare(self) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from ucm.core.store.base import Store
 from ucm.core.store.task import Status
+from ucm.core.threads import store_thread
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class WriteBehind:
         self._busy = False
         self._unreported = 0  # blocks whose write below failed, not logged yet
         self._reported_at = 0.0
-        self._thread = threading.Thread(target=self._run, name="ucm-write-behind", daemon=True)
+        self._thread = store_thread(self._run, "ucm-write-behind")
         self._thread.start()
 
     def offer(self, keys: Sequence[bytes], sizes: Sequence[int], layout: bytes) -> bool:
