@@ -79,8 +79,17 @@ def test_lmcache_without_an_environment_and_unknown_systems_are_refused(tmp_path
 @pytest.mark.engine
 def test_a_small_run_reports_every_system_with_hits_after_the_restart(tmp_path, monkeypatch):
     """Real servers: UCM on dram across a restart, and the floor; the report's figures."""
+    from ucm.lab.testing.zygote import forked
     from ucm.lab.vllm import bench_serve
+    from ucm.lab.vllm.serve_process import ServeProcess, serve_command
 
+    def from_the_zygote(*args, python=sys.executable, **kwargs):
+        """The bench's servers as the tests' own: children of the zygote (vLLM imported)."""
+        if python == sys.executable:
+            kwargs["launcher"] = forked(serve_command())
+        return ServeProcess(*args, python=python, **kwargs)
+
+    monkeypatch.setattr(bench_serve, "ServeProcess", from_the_zygote)
     report_path = tmp_path / "report.json"
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     code = bench_serve.main(

@@ -38,6 +38,8 @@ PROBE = textwrap.dedent(
             time.sleep(60)
         if mode == "pid":
             print(os.getpid(), flush=True)
+        if mode == "placed":
+            print(json.dumps([os.getpid(), sorted(os.sched_getaffinity(0))]), flush=True)
         if mode == "crash":
             raise RuntimeError("boom")
         if mode == "spawn":  # as vLLM CPU starts its engine core and workers
@@ -136,6 +138,36 @@ def test_what_acts_at_a_process_start_is_honoured_by_a_new_interpreter(zygote):
         assert proc.wait(60) == 0
         # exec keeps the launcher's pid; a fork of the zygote has one of its own
         assert (pid != proc.pid) is forked, env
+
+
+def test_a_worker_bound_to_one_core_forks_and_is_bound_as_openmp_would_bind_it(zygote):
+    """vLLM CPU starts a worker bound to one core with ``OMP_NUM_THREADS=1`` and
+    ``GOMP_CPU_AFFINITY=N`` (and torch's OpenMP runtime preloaded, as the zygote has it): a
+    fork of the zygote binds its main thread there itself; more threads need OpenMP's own
+    binding, a new interpreter."""
+    cpu = max(os.sched_getaffinity(0))
+    for env, forked, cpus in (
+        ({"OMP_NUM_THREADS": "1", "GOMP_CPU_AFFINITY": str(cpu)}, True, [cpu]),
+        ({"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": f"{cpu} {cpu}"}, False, None),
+        ({"GOMP_CPU_AFFINITY": str(cpu)}, False, None),
+        ({"LD_PRELOAD": zygote_preload()}, True, sorted(os.sched_getaffinity(0))),
+    ):
+        proc = subprocess.Popen(
+            zygote.command("zygote_probe", ["placed"]), stdout=subprocess.PIPE, text=True,
+            env={**os.environ, **env},
+        )  # fmt: skip
+        pid, placed = json.loads(proc.stdout.read())
+        assert proc.wait(60) == 0
+        assert (pid != proc.pid) is forked, env
+        if forked:
+            assert placed == cpus, env
+
+
+def zygote_preload() -> str:
+    """What the zygote preloads (torch's OpenMP runtime, where this environment has torch)."""
+    from ucm.lab.testing.zygote import _openmp_preload
+
+    return _openmp_preload({}).get("LD_PRELOAD", "")
 
 
 def test_a_killed_launcher_takes_the_child_and_what_it_started_along(zygote):

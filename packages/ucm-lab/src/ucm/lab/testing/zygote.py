@@ -17,11 +17,15 @@ the zygote ends when its parent does, taking its children along.
 A fork is faithful only where nothing read at a process's start differs: a request whose
 environment differs from the zygote's in such variables (``EXEC_NAMES``, ``EXEC_PREFIXES``)
 becomes a new interpreter instead (the launcher execs it).  In a child, multiprocessing's
-"spawn" goes through the launcher too (``multiprocessing.set_executable``); vLLM CPU starts
-its engine core and workers with LD_PRELOAD and OpenMP's thread binding set, so those are
-new interpreters, as they are outside the tests, and compute as they would there (forked,
-they computed logprobs 0.003 apart).  What is saved is the import of the process the test
-starts: the whole start-up of a one-process engine, a third of a server's.
+"spawn" goes through the launcher too (``multiprocessing.set_executable``).  vLLM CPU
+starts its engine core and workers with torch's OpenMP runtime in LD_PRELOAD, which the
+zygote preloads too, and each worker with OpenMP bound to its cores: a worker bound to one
+core with one thread (as every test engine's is) is forked and binds itself there
+(``_bind_as_openmp_would``), any other binding is a new interpreter.  Forked with the
+zygote's two threads, workers computed logprobs 0.003 apart; bound to one thread, a split
+engine and a two-rank one compute the same logprobs, bit for bit, as new interpreters do.
+What is saved is every import of torch and vLLM: the whole start-up of a one-process
+engine, most of a split one's (58 s to 34 s here) and of a server's.
 
 The zygote is single-threaded: forking copies only the forking thread, and a lock held by
 any other would stay held in the child for good.
@@ -53,7 +57,24 @@ import array, json, os, signal, socket, sys
 path = @SOCKET@
 def acts_at_exec(name):
     return name in @EXEC_NAMES@ or name.startswith(@EXEC_PREFIXES@)
-if {k: v for k, v in os.environ.items() if acts_at_exec(k)} != @EXEC_ENV@:
+# whether a child forked from the zygote computes as a new interpreter would: the same
+# start-up variables, but for what the child does itself (one OpenMP thread on one core, as
+# vLLM binds a worker to one core) and for the zygote's preload of torch's OpenMP runtime
+# (which torch's import loads anyway)
+def forks_alike(mine, zygote):
+    for name in set(mine) | set(zygote):
+        value = mine.get(name)
+        if value == zygote.get(name):
+            continue
+        if name == "LD_PRELOAD" and value is None:
+            continue
+        if name == "OMP_NUM_THREADS" and value == "1":
+            continue
+        if name == "GOMP_CPU_AFFINITY" and value.isdigit() and mine.get("OMP_NUM_THREADS") == "1":
+            continue  # one core, one thread
+        return False
+    return True
+if not forks_alike({k: v for k, v in os.environ.items() if acts_at_exec(k)}, @EXEC_ENV@):
     # what the dynamic loader, the OpenMP runtime or the interpreter read when a process
     # starts differs from the zygote's: only a new interpreter honours it
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
@@ -101,9 +122,8 @@ os._exit(code if code >= 0 else 128 - code)
 
 # Variables read when a process starts (by the dynamic loader, OpenMP and math runtimes as
 # they load, the interpreter): a child forked from the zygote would run with the zygote's
-# values, so a request whose values differ runs in a new interpreter.  vLLM CPU starts its
-# engine core and workers with LD_PRELOAD (tcmalloc, libgomp) and OpenMP's thread binding
-# set: those take the slow way, and compute as they would anywhere.
+# values, so a request whose values differ runs in a new interpreter, but for the launcher's
+# ``forks_alike``: the zygote's own preload, and one OpenMP thread on one core.
 EXEC_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH")
 EXEC_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "MALLOC_", "PYTHON")
 
@@ -165,7 +185,7 @@ class Zygote:
         self._dir = tempfile.mkdtemp(prefix="ucm-zygote-")  # 0700: the socket is ours
         sock = Path(self._dir, "zygote.sock")
         launcher = Path(self._dir, "launcher")
-        env = os.environ if self._env is None else self._env
+        env = _openmp_preload(dict(os.environ if self._env is None else self._env))
         exec_env = {k: v for k, v in env.items() if _acts_at_exec(k)}
         code = LAUNCHER
         for name, value in (("SOCKET", str(sock)), ("EXEC_NAMES", EXEC_NAMES),
@@ -176,7 +196,7 @@ class Zygote:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "ucm.lab.testing.zygote", str(sock), str(launcher),
              *self._preload],
-            env=self._env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         )  # fmt: skip
         assert self._proc.stdout is not None
         if self._proc.stdout.readline().strip() != b"ready":
@@ -268,6 +288,7 @@ def _child(conn: socket.socket, request: dict, received: list[int], launcher: st
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    _bind_as_openmp_would(request["env"])
     multiprocessing.set_executable(launcher)  # its "spawn" comes back here too
 
     def watch() -> None:  # the launcher gone (killed): so is everything started here
@@ -285,6 +306,40 @@ def _child(conn: socket.socket, request: dict, received: list[int], launcher: st
         sys.modules["__main__"] = main
         exec(compile(request["c"], "<string>", "exec"), main.__dict__)
     sys.exit(0)
+
+
+def _bind_as_openmp_would(env: dict[str, str]) -> None:
+    """What a new interpreter's OpenMP runtime does at start-up with one thread on one core
+    (``OMP_NUM_THREADS=1``, ``GOMP_CPU_AFFINITY=N``, as vLLM starts a worker bound to one
+    core): compute on one thread, the main thread bound to that core."""
+    if env.get("OMP_NUM_THREADS") == "1":
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(1)
+        cpu = env.get("GOMP_CPU_AFFINITY", "")
+        if cpu.isdigit():
+            os.sched_setaffinity(0, {int(cpu)})
+
+
+def _openmp_preload(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with torch's OpenMP runtime preloaded, as vLLM CPU starts its engine core and
+    workers (``LD_PRELOAD``), so that those fork from the zygote too; as it is where it
+    preloads something already or torch has no such runtime."""
+    import importlib.util
+
+    if env.get("LD_PRELOAD"):
+        return env
+    spec = importlib.util.find_spec("torch")
+    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    found = sorted(
+        lib
+        for folder in folders
+        for lib in [
+            *folder.joinpath("lib").glob("libgomp*.so*"),
+            *folder.parent.joinpath("torch.libs").glob("libgomp*.so*"),
+        ]  # fmt: skip
+    )
+    return {**env, "LD_PRELOAD": str(found[0])} if found else env
 
 
 def serve(path: str, launcher: str, preload: Sequence[str]) -> None:
