@@ -149,12 +149,12 @@ def test_a_worker_bound_to_one_core_forks_and_is_bound_as_openmp_would_bind_it(z
     for env, forked, cpus in (
         ({"OMP_NUM_THREADS": "1", "GOMP_CPU_AFFINITY": str(cpu)}, True, [cpu]),
         ({"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": f"{cpu} {cpu}"}, False, None),
-        ({"GOMP_CPU_AFFINITY": str(cpu)}, False, None),
+        ({"OMP_NUM_THREADS": None, "GOMP_CPU_AFFINITY": str(cpu)}, False, None),
         ({"LD_PRELOAD": zygote_preload()}, True, sorted(os.sched_getaffinity(0))),
     ):
         proc = subprocess.Popen(
             zygote.command("zygote_probe", ["placed"]), stdout=subprocess.PIPE, text=True,
-            env={**os.environ, **env},
+            env={k: v for k, v in {**os.environ, **env}.items() if v is not None},
         )  # fmt: skip
         pid, placed = json.loads(proc.stdout.read())
         assert proc.wait(60) == 0
