@@ -70,7 +70,8 @@ def forks_alike(mine, zygote):
             continue
         if name == "OMP_NUM_THREADS" and value == "1":
             continue
-        if name == "GOMP_CPU_AFFINITY" and value.isdigit() and mine.get("OMP_NUM_THREADS") == "1":
+        one_core = (value or "").isdigit() and mine.get("OMP_NUM_THREADS") == "1"
+        if name == "GOMP_CPU_AFFINITY" and one_core:
             continue  # one core, one thread
         return False
     return True
