@@ -44,8 +44,9 @@ def _cpus_setting(_inst: object, attribute: attrs.Attribute[Any], value: object)
     if value in ("spare", "inherit"):
         return
     try:
-        if not isinstance(value, str) or not parse_cpus(value):
-            raise ValueError("no CPU")
+        if not isinstance(value, str):
+            raise ValueError("not a string")
+        parse_cpus(value)
     except ValueError as exc:
         raise ConfigError(
             attribute.name,

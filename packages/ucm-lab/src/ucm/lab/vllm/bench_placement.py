@@ -22,11 +22,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from ucm.lab.vllm.demo import run_child
 
 MODULE = "ucm.lab.vllm.bench_placement"
 CASES = ("alone", "inherit", "spare")
@@ -47,14 +48,10 @@ def _steps(args: argparse.Namespace, case: str, where: str) -> dict[str, Any]:
     x = torch.randn(args.tokens, args.hidden)
     block = args.block_kib << 10
     per_step = max(1, (args.step_mib << 20) // block)
-    payload = bytes(os.urandom(block))
+    payload = os.urandom(block)
     store = None
     if case != "alone":
-        if args.store == "dram":
-            settings = {"kind": "dram", "path": where, "capacity_gb": 2}
-        else:
-            settings = {"kind": "posix", "path": where, "capacity_gb": 2}
-        store = create_store(settings)
+        store = create_store({"kind": args.store, "path": where, "capacity_gb": 2})
 
     def forward() -> None:
         h = x
@@ -75,12 +72,10 @@ def _steps(args: argparse.Namespace, case: str, where: str) -> dict[str, Any]:
             tasks.append(store.dump(keys, [payload] * per_step))  # not waited: wait_for_save
     steps_s = time.perf_counter() - started
     ok = all(r.ok for task in tasks for r in store.wait(task)) if store is not None else True
-    total_s = time.perf_counter() - started
     if store is not None:
         store.close()
     return {
         "steps_s": steps_s,
-        "total_s": total_s,
         "ok": ok,
         "computing": format_cpus(computing),
         "store_cpus": format_cpus(cpus) if cpus else "as the worker",
@@ -89,21 +84,17 @@ def _steps(args: argparse.Namespace, case: str, where: str) -> dict[str, Any]:
 
 
 def _worker(args: argparse.Namespace, case: str, compute_cpu: int) -> dict[str, Any]:
-    """``case`` in a fresh process bound as vLLM binds a worker."""
-    where = tempfile.mkdtemp(prefix="ucm-bench-placement-", dir=args.dir)
-    shutil.rmtree(where)
+    """``case`` in a fresh process bound as vLLM binds a worker, its store in a folder of
+    its own (shared memory for dram), removed afterwards."""
+    parent = "/dev/shm" if args.store == "dram" else (args.dir or tempfile.gettempdir())
+    where = os.path.join(parent, f"ucm-bench-placement-{os.getpid()}-{time.monotonic_ns()}")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     env.update(GOMP_CPU_AFFINITY=str(compute_cpu), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", MODULE, "--case", case, "--where", where]
-    command += [f"--{k.replace('_', '-')}={v}" for k, v in _passed(args).items()]
+    passed = [f"--{k.replace('_', '-')}={v}" for k, v in _passed(args).items()]
     try:
-        out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        return run_child(MODULE, "--case", case, "--where", where, *passed, env=env)
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"case {case} failed:\n{out.stdout[-2000:]}{out.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _passed(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,17 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where posix stores go (default: temp)")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON")
+    parser.add_argument("--role", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     parser.add_argument("--where", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.case:
-        where = args.where
-        if args.store == "dram":
-            where = os.path.join("/dev/shm", os.path.basename(where))
-        try:
-            print("RESULT " + json.dumps(_steps(args, args.case, where)), flush=True)
-        finally:
-            shutil.rmtree(where, ignore_errors=True)
+    if args.role:
+        print("RESULT " + json.dumps(_steps(args, args.case, args.where)), flush=True)
         return 0
     report = run(args)
     _print(report)

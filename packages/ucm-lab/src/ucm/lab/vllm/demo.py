@@ -127,11 +127,14 @@ def serve_once(
     }
 
 
-def run_child(module: str, *args: str, prefix: Sequence[str] = ()) -> dict[str, Any]:
+def run_child(
+    module: str, *args: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``python -m module --role ARGS`` in a fresh process (wrapped in ``prefix``, such as
-    ``ip netns exec HOST``); its ``RESULT`` line as a dict."""
+    ``ip netns exec HOST``; in ``env``, ``engine_env()`` by default); its ``RESULT`` line as
+    a dict."""
     cmd = [*prefix, sys.executable, "-m", module, "--role", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or engine_env())
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line[7:])
