@@ -85,12 +85,25 @@ def _build(session: nox.Session, packages: list[str], dist: Path) -> dict[str, P
     """Wheels and sdists of ``packages`` into ``dist`` (wheels built from the sdists, as
     pip builds them); package -> wheel."""
     session.install("build")
+    if CORE in packages:
+        _c_compiler(session)
     shutil.rmtree(dist, ignore_errors=True)
     for package in packages:
         session.run_install(
             "python", "-m", "build", "--quiet", "--outdir", str(dist), str(ROOT / package)
         )
     return {p: next(dist.glob(f"{Path(p).name.replace('-', '_')}-*.whl")) for p in packages}
+
+
+def _c_compiler(session: nox.Session) -> None:
+    """apt-get install a C compiler where the machine has none and it can (as root): ucm-core's
+    wheel compiles the dram store's copies with it, and is pure Python (slower) without."""
+    if shutil.which("cc") or shutil.which("gcc") or not shutil.which("apt-get"):
+        return
+    if os.geteuid() != 0:
+        session.warn("no C compiler: ucm-core's wheel will copy in Python (apt-get install gcc)")
+        return
+    _apt_install(session, ["gcc", "libc6-dev"])
 
 
 def _system_libraries(session: nox.Session) -> None:
@@ -101,7 +114,11 @@ def _system_libraries(session: nox.Session) -> None:
         return
     if not shutil.which("apt-get") or os.geteuid() != 0:
         session.error(f"install the system packages {', '.join(missing)} (as root: apt-get)")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    _apt_install(session, missing)
+
+
+def _apt_install(session: nox.Session, debs: list[str]) -> None:
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *debs]
     env = {"DEBIAN_FRONTEND": "noninteractive"}
     if subprocess.run(install, env={**os.environ, **env}, capture_output=True).returncode:
         session.run("apt-get", "update", external=True, env=env)  # a fresh machine's lists

@@ -30,17 +30,20 @@ LAB = "ucm-lab"  # the harness: every other distribution is library
 HARNESS = re.compile(
     r"(bench|demo)(_\w+)?|serve_\w+|testing|netlab|daemon|multiround|mooncake_master"
 )
+# what a wheel holds beside its sources: the libraries its build hook compiles (hatch_build.py)
+COMPILED = {"ucm-core": {"ucm/core/store/dram/libucm_sealed_moves.so"}}
 # a distribution's name -> the top-level module it is imported as, where the two differ
 IMPORT_NAMES = {"pyyaml": "yaml", "ucm-core": "ucm.core", "ucm-kernels": "ucm.kernels"}
 
 
 def source_files(package: Path) -> set[str]:
-    """What the wheel must hold: every file under src/, as installed (no caches)."""
+    """What the wheel must hold: every file under src/, as installed (no caches, and no
+    library an editable install compiled there)."""
     src = package / "src"
     return {
         f.relative_to(src).as_posix()
         for f in src.rglob("*")
-        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".pyc", ".so")
     }
 
 
@@ -90,20 +93,26 @@ def check(package: Path, dist: Path, version: str) -> list[str]:
     name = project["name"]
     stem = f"{name.replace('-', '_')}-{version}"
     problems: list[str] = []
-    wheel = dist / f"{stem}-py3-none-any.whl"
+    compiled = COMPILED.get(name, set())
+    # a wheel with a compiled library serves one platform, every Python of it
+    wheels = sorted(dist.glob(f"{stem}-py3-none-{'*' if compiled else 'any'}.whl"))
     sdist = dist / f"{stem}.tar.gz"
-    for built in (wheel, sdist):
-        if not built.is_file():
-            problems.append(f"{name}: {built.name} was not built")
+    if len(wheels) != 1:
+        problems.append(f"{name}: {len(wheels)} wheels tagged py3-none were built, not one")
+    if not sdist.is_file():
+        problems.append(f"{name}: {sdist.name} was not built")
     if problems:
         return problems
+    wheel = wheels[0]
+    if compiled and wheel.name.endswith("-any.whl"):
+        problems.append(f"{name}: {wheel.name} is pure Python: its library was not compiled")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         metadata = Parser().parsestr(zf.read(f"{stem}.dist-info/METADATA").decode())
     held = {n for n in names if not n.startswith(f"{stem}.dist-info/")}
-    for missing in sorted(source_files(package) - held):
+    for missing in sorted(source_files(package) | compiled - held):
         problems.append(f"{name}: the wheel lacks {missing}")
-    for extra in sorted(held - source_files(package)):
+    for extra in sorted(held - source_files(package) - compiled):
         problems.append(f"{name}: the wheel holds {extra}, which is not in src/")
     if any("/tests/" in n or n.startswith("tests/") for n in names):
         problems.append(f"{name}: the wheel holds tests")
@@ -130,6 +139,8 @@ def check(package: Path, dist: Path, version: str) -> list[str]:
     for needed in ("pyproject.toml", "README.md", *(f"src/{f}" for f in source_files(package))):
         if needed not in inside:
             problems.append(f"{name}: the sdist lacks {needed}")
+    for binary in sorted(n for n in inside if n.endswith(".so")):
+        problems.append(f"{name}: the sdist holds {binary}, a compiled file")
     return problems
 
 

@@ -43,7 +43,7 @@ from ucm.core.config import (
 )
 from ucm.core.settings import GIB
 from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
-from ucm.core.store.dram.shared import move_sealed
+from ucm.core.store.dram.sealing import move_sealed
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
 #: the cases that copy into a pool of pre-faulted blocks, made for them and dropped after

@@ -49,6 +49,7 @@ from ucm.core.store.dram.arena import (
     Pinned,
 )
 from ucm.core.store.dram.config import DramStoreConfig
+from ucm.core.store.dram.sealing import Move, move_sealed, move_sealed_batch
 from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder, nearest_existing
 from ucm.core.store.payload import Payload
@@ -62,15 +63,12 @@ log = logging.getLogger(__name__)
 #: filesystems whose files live in RAM
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 MOUNTINFO = "/proc/self/mountinfo"
-#: parts smaller than this are copied by memoryview (numpy's call costs more than it saves)
-NUMPY_COPY_MIN = 64 << 10
 _KEY = struct.Struct("<QQ")
 #: keys a copy thread reserves or pins under one hold of the arena's lock: small enough that
 #: its first copies start soon, large enough to spread the lock's cost and its hand-overs of
 #: the GIL (256 KiB blocks, batches of 128, two threads: 16 a chunk 0.39-0.44 / 0.55-0.60 of
 #: memcpy, 32 0.49-0.53 / 0.62-0.67, 64 0.46-0.66 / 0.54-0.68, in runs on a noisy VM)
 CHUNK = 32
-_HEADER = struct.Struct("<QQQQ")  # what a MAC covers before the payload: name, layout, length
 
 
 class SharedMemoryStore(Store):
@@ -254,20 +252,24 @@ class SharedMemoryStore(Store):
         # each slot taken is published, or given back (length -1) where it was not filled
         written = [_unfilled(got) for got in slots]
         try:
-            for w, (j, (slot, gen)) in enumerate(zip(slotted, slots)):
-                i, name = chunk[j], words[j]
+            moves: list[Move] = []
+            moved: list[tuple[int, int]] = []  # (index in slots, index in chunk) per move
+            for w, (j, (slot, _gen)) in enumerate(zip(slotted, slots)):
+                payload = payloads[chunk[j]]
                 try:
-                    parts = payloads[i].parts
-                    dst = arena.slot(slot, payloads[i].nbytes)
-                    seal = move_sealed(self._signer, name, layout_word, parts, dst, into=True)
-                except (TypeError, ValueError) as exc:
+                    moves.append((payload.parts, arena.slot(slot, payload.nbytes)))
+                except (TypeError, ValueError) as exc:  # a deferred payload's views, made now
                     results[j] = KeyResult(Status.ERROR, str(exc))
                     continue
-                if task.cancelled:
-                    results[j] = CANCELLED  # a dump cancelled mid-way is not published
-                    continue
-                written[w] = (slot, gen, dst.nbytes, layout_word, seal)
-                results[j] = OK
+                moved.append((w, j))
+            seals = move_sealed_batch(
+                self._signer, [words[j] for _, j in moved], layout_word, moves, into=True
+            )
+            cancelled = task.cancelled  # a dump cancelled mid-way is not published
+            for (w, j), (_parts, dst), seal in zip(moved, moves, seals):
+                results[j] = CANCELLED if cancelled else OK
+                if not cancelled:
+                    written[w] = (*slots[w], dst.nbytes, layout_word, seal)
         finally:  # whatever happened
             published = self._publish(arena, written, [words[j] for j in slotted])
         for j, done in zip(slotted, published):
@@ -304,12 +306,15 @@ class SharedMemoryStore(Store):
         """Seal and publish the blocks written in place into a chunk's slots."""
         written = [_unfilled(reserved[i]) for i in chunk]  # given back unless sealed
         try:
-            for w, i in enumerate(chunk):
-                if task.cancelled:
-                    break
-                view = views[i]
-                seal = move_sealed(self._signer, words[i], layout_word, (), view, into=False)
-                written[w] = (*reserved[i], view.nbytes, layout_word, seal)
+            if not task.cancelled:
+                moves: list[Move] = [((), views[i]) for i in chunk]
+                names = [words[i] for i in chunk]
+                seals = move_sealed_batch(self._signer, names, layout_word, moves, into=False)
+                if not task.cancelled:
+                    written = [
+                        (*reserved[i], views[i].nbytes, layout_word, seal)
+                        for i, seal in zip(chunk, seals)
+                    ]
         finally:  # whatever happened
             published = self._publish(arena, written, [words[i] for i in chunk])
         return [
@@ -351,16 +356,34 @@ class SharedMemoryStore(Store):
             pinned = arena.pin(words)
         except ArenaBusy as exc:
             return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
-        results: list[KeyResult] = []
+        results: list[KeyResult | None] = [None] * len(chunk)
         bad: list[Pinned] = []
         busy: KeyResult | None = None
         try:
-            for i, name, pin in zip(chunk, words, pinned):
+            moves: list[Move] = []
+            moved: list[int] = []  # index in chunk per move
+            for j, (i, pin) in enumerate(zip(chunk, pinned)):
+                payload = payloads[i]
                 if pin is None:
-                    results.append(MISS)
-                    continue
-                results.append(self._load_one(arena, name, payloads[i], pin, layout_word))
-                if results[-1].status is Status.CORRUPT:
+                    results[j] = MISS
+                elif pin.length != payload.nbytes or pin.layout != layout_word:
+                    results[j] = _mismatch(pin, payload.nbytes, layout_word)
+                else:
+                    try:
+                        moves.append((payload.parts, arena.slot(pin.slot, pin.length)))
+                    except (TypeError, ValueError) as exc:  # a deferred payload's views
+                        results[j] = KeyResult(Status.ERROR, str(exc))
+                        continue
+                    moved.append(j)
+            names = [words[j] for j in moved]
+            seals = move_sealed_batch(self._signer, names, layout_word, moves, into=False)
+            for j, seal in zip(moved, seals):
+                pin = pinned[j]
+                assert pin is not None
+                if seal_matches(seal, pin.seal):
+                    results[j] = OK
+                else:
+                    results[j] = self._corrupt()
                     bad.append(pin)
         finally:  # every pin goes, whatever happened
             try:
@@ -370,27 +393,7 @@ class SharedMemoryStore(Store):
         if busy is not None:
             return [busy] * len(chunk)
         # a pin whose slot was reused meanwhile (its lease ran out): what was read is not it
-        return [r if pin is None or h else MISS for r, pin, h in zip(results, pinned, held)]
-
-    def _load_one(
-        self,
-        arena: Arena,
-        words: tuple[int, int],
-        payload: Payload,
-        pin: Pinned,
-        layout_word: int,
-    ) -> KeyResult:
-        if pin.length != payload.nbytes or pin.layout != layout_word:
-            return _mismatch(pin, payload.nbytes, layout_word)
-        try:
-            parts = payload.parts
-        except (TypeError, ValueError) as exc:
-            return KeyResult(Status.ERROR, str(exc))
-        src = arena.slot(pin.slot, pin.length)
-        seal = move_sealed(self._signer, words, layout_word, parts, src, into=False)
-        if not seal_matches(seal, pin.seal):
-            return self._corrupt()
-        return OK
+        return [r if pin is None or h else MISS for r, pin, h in zip(results, pinned, held)]  # type: ignore[misc]
 
     # -- reads in place --
 
@@ -437,11 +440,13 @@ class SharedMemoryStore(Store):
         layout_word: int,
     ) -> list[KeyResult]:
         """Check the seals of a chunk of lent blocks where they lie."""
+        moves: list[Move] = [((), reads.views[i]) for i in chunk]  # type: ignore[misc]
+        names = [words[i] for i in chunk]
+        seals = move_sealed_batch(self._signer, names, layout_word, moves, into=False)
         results = []
-        for i in chunk:
-            pin, view = reads.pinned[i], reads.views[i]
-            assert pin is not None and view is not None
-            seal = move_sealed(self._signer, words[i], layout_word, (), view, into=False)
+        for i, seal in zip(chunk, seals):
+            pin = reads.pinned[i]
+            assert pin is not None
             if seal_matches(seal, pin.seal):
                 results.append(OK)
             else:
@@ -619,49 +624,6 @@ def _layout_word(layout: bytes) -> int:
     return xxhash.xxh3_64_intdigest(layout) if layout else 0
 
 
-def move_sealed(
-    signer: BlockSigner | None,
-    words: tuple[int, int],
-    layout_word: int,
-    parts: Sequence[memoryview],
-    slot: memoryview,
-    *,
-    into: bool,
-) -> bytes:
-    """Copy ``parts`` into the slot (``into``) or the slot into ``parts`` (empty ``parts``:
-    only read it); the block's seal: its xxh3-64, or with a secret the keyed MAC of its name
-    (the index words), layout, length and bytes.
-
-    Each piece is hashed where it is read, then copied while it is in the cache: the seal
-    of a dump is that of the bytes the caller gave (a slot that differs, written over while
-    it was copied, fails its check at load), that of a load the slot's.  One hash and one
-    copy call per piece, each releasing the GIL: copying and hashing in 64-256 KiB pieces
-    was faster on one thread but much slower on two, each piece a hand-over of the GIL
-    (2 MiB blocks: 1.47 of one thread's memcpy on two threads whole, 0.61 in pieces)."""
-    if signer is None and len(parts) == 1:  # most blocks: one piece, one call each
-        src, dst = (parts[0], slot) if into else (slot, parts[0])
-        digest = xxhash.xxh3_64_intdigest(src)
-        _copy(dst, src)
-        return digest.to_bytes(8, "little")
-    if signer is None:
-        hasher = xxhash.xxh3_64()
-    else:
-        hasher = signer.hasher()
-        hasher.update(_HEADER.pack(*words, layout_word, slot.nbytes))
-    if not parts:
-        hasher.update(slot)
-    at = 0
-    for part in parts:
-        piece = slot[at : at + part.nbytes]
-        src, dst = (part, piece) if into else (piece, part)
-        hasher.update(src)
-        _copy(dst, src)
-        at += part.nbytes
-    if signer is None:
-        return hasher.intdigest().to_bytes(8, "little")  # type: ignore[no-any-return]
-    return hasher.digest()  # type: ignore[no-any-return]
-
-
 def seal_matches(seal: bytes, stored: bytes) -> bool:
     """Whether a computed seal is the stored one (zero-padded to the column's width)."""
     return hmac.compare_digest(seal.ljust(len(stored), b"\0"), stored)
@@ -684,15 +646,6 @@ def verify_arena(arena: Arena, signer: BlockSigner | None, remove: bool) -> tupl
         corrupt += bad
         arena.unpin([pin], [pin] if bad and remove else ())
     return checked, corrupt
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src``, through numpy for large pieces: its copy releases the GIL, so the
-    store's threads copy side by side."""
-    if dst.nbytes < NUMPY_COPY_MIN:
-        dst[:] = src
-    else:
-        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 def check_memory_filesystem(path: str, capacity_bytes: int) -> None:
