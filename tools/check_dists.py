@@ -20,6 +20,7 @@ from email.parser import Parser
 from pathlib import Path
 
 import tomllib
+from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -54,6 +55,14 @@ def normalized(requirement: str) -> str:
     extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
     marker = f";{req.marker}" if req.marker else ""
     return f"{canonicalize_name(req.name)}{extras}{specifiers}{marker}"
+
+
+def with_extra(requirement: str, extra: str) -> str:
+    """A requirement of an extra as the metadata writes it (its own marker kept)."""
+    req = Requirement(requirement)
+    only = f'extra == "{extra}"'
+    req.marker = Marker(f"({req.marker}) and {only}" if req.marker else only)
+    return str(req)
 
 
 def imported(package: Path) -> set[str]:
@@ -110,7 +119,7 @@ def check(package: Path, dist: Path, version: str) -> list[str]:
         names = set(zf.namelist())
         metadata = Parser().parsestr(zf.read(f"{stem}.dist-info/METADATA").decode())
     held = {n for n in names if not n.startswith(f"{stem}.dist-info/")}
-    for missing in sorted(source_files(package) | compiled - held):
+    for missing in sorted((source_files(package) | compiled) - held):
         problems.append(f"{name}: the wheel lacks {missing}")
     for extra in sorted(held - source_files(package) - compiled):
         problems.append(f"{name}: the wheel holds {extra}, which is not in src/")
@@ -126,7 +135,7 @@ def check(package: Path, dist: Path, version: str) -> list[str]:
     required = {normalized(r) for r in metadata.get_all("Requires-Dist") or []}
     wanted = {normalized(r) for r in project.get("dependencies", [])}
     for extra, reqs in project.get("optional-dependencies", {}).items():
-        wanted |= {normalized(f'{r}; extra == "{extra}"') for r in reqs}
+        wanted |= {normalized(with_extra(r, extra)) for r in reqs}
     for lost in sorted(wanted - required):
         problems.append(f"{name}: the metadata lacks the requirement {lost}")
     for odd in sorted(required - wanted):
