@@ -24,8 +24,13 @@
 #define STREAMING_STORES 1
 #endif
 
-/* Each piece is hashed where it is read, then copied while it is still in the cache. */
-#define PIECE ((uint64_t)64 << 10)
+/* A block moves in pieces that stay in the core's cache between the hash and the copy.  A
+ * dump hashes a piece of the caller's bytes, then copies it: its seal is that of what the
+ * caller gave.  A load copies a piece out, then hashes what landed: its check covers the
+ * very bytes the engine gets, whatever shared memory holds meanwhile (and the hash reads
+ * them from the cache: 0.82-0.97 of memcpy on one thread against 0.73-0.81 hashing first,
+ * 256 KiB blocks on a Zen 3 VM; 16 KiB pieces measured best of 4 KiB to 256 KiB). */
+#define PIECE ((uint64_t)16 << 10)
 
 enum { CHECK = 0, INTO_SLOT = 1, OUT_OF_SLOT = 2 };
 
@@ -64,9 +69,9 @@ static void copy_into_slot(uint8_t *dst, const uint8_t *src, size_t n) {
  * its payload is the next ``nparts[i]`` parts of ``part_addr``/``part_len`` (the parts'
  * lengths add up to ``lengths[i]``, checked by the caller).
  *   mode CHECK: hash the slot only (``nparts`` are 0);
- *   mode INTO_SLOT: copy the parts into the slot, hashing the parts as they are read;
- *   mode OUT_OF_SLOT: copy the slot into the parts, hashing the slot as it is read.
- * ``seals[i]`` gets the xxh3-64 of the bytes read.  Returns the blocks moved. */
+ *   mode INTO_SLOT: copy the parts into the slot, hashing the parts;
+ *   mode OUT_OF_SLOT: copy the slot into the parts, hashing the parts once written.
+ * ``seals[i]`` gets the xxh3-64 of the block's bytes.  Returns the blocks moved. */
 __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
     uint64_t count, int mode, const uint64_t *slots, const uint64_t *lengths,
     const uint64_t *nparts, const uint64_t *part_addr, const uint64_t *part_len,
@@ -86,13 +91,13 @@ __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
             uint64_t n = part_len[p];
             for (uint64_t off = 0; off < n; off += PIECE) {
                 size_t m = (size_t)(n - off < PIECE ? n - off : PIECE);
-                uint8_t *src = mode == INTO_SLOT ? part + off : slot + at + off;
-                uint8_t *dst = mode == INTO_SLOT ? slot + at + off : part + off;
-                XXH3_64bits_update(&state, src, m);
-                if (mode == INTO_SLOT)
-                    copy_into_slot(dst, src, m);
-                else
-                    memcpy(dst, src, m);
+                if (mode == INTO_SLOT) {
+                    XXH3_64bits_update(&state, part + off, m);
+                    copy_into_slot(slot + at + off, part + off, m);
+                } else {
+                    memcpy(part + off, slot + at + off, m);
+                    XXH3_64bits_update(&state, part + off, m);
+                }
             }
             at += n;
         }

@@ -43,7 +43,8 @@ from ucm.core.config import (
 )
 from ucm.core.settings import GIB
 from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
-from ucm.core.store.dram.sealing import move_sealed
+from ucm.core.store.dram.sealing import LIBRARY, compiled, move_sealed_batch
+from ucm.core.store.dram.shared import CHUNK
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
 #: the cases that copy into a pool of pre-faulted blocks, made for them and dropped after
@@ -165,12 +166,14 @@ def _memcpy(srcs: list, pool: list, dsts: list, n: int) -> tuple[float, float]:
 def _sealed_copies(srcs: list, pool: list, dsts: list, n: int, threads: int) -> tuple[float, float]:
     """The host tier's floor: what its copy threads do with no store around them.  Each
     block hashed and copied into the pool, then hashed and copied out by the store's own
-    routine (``move_sealed``), ``threads`` threads dealing out the blocks of each batch as
-    the store does."""
+    routine (``move_sealed_batch``: compiled, a chunk a call, where the library is built),
+    ``threads`` threads dealing out the blocks of each batch as the store does."""
 
     def move(pairs: list[tuple[memoryview, memoryview]], into: bool) -> None:
-        for slot, part in pairs:
-            move_sealed(None, (0, 0), 0, (part,), slot, into=into)
+        for c in range(0, len(pairs), CHUNK):
+            chunk = pairs[c : c + CHUNK]
+            moves = [((part,), slot) for slot, part in chunk]
+            move_sealed_batch(None, [(0, 0)] * len(chunk), 0, moves, into=into)
 
     def timed(pair: Callable[[int], tuple[memoryview, memoryview]], into: bool) -> float:
         t0 = time.perf_counter()
@@ -330,7 +333,12 @@ def run_store_bench(args: argparse.Namespace) -> int:
     if args.signed:  # a secret of the run's own, in its environment only
         os.environ[SECRET_ENV] = secrets.token_hex(32)
     rows: list[dict[str, object]] = []
-    summary: dict[str, object] = {"path": root, "total_gb": args.total_gb, "cases": rows}
+    summary: dict[str, object] = {
+        "path": root,
+        "total_gb": args.total_gb,
+        "compiled_copies": compiled(),
+        "cases": rows,
+    }
     try:
         for kib in args.block_kib:
             size = kib * 1024
@@ -458,3 +466,5 @@ def _print(rows: list[dict[str, object]], summary: dict[str, object]) -> None:
     by_store = summary.get("lookup_prefix_512_ms_by_store", {})
     for name, ms in by_store.items():  # type: ignore[union-attr]
         print(f"lookup_prefix of 512 keys ({name}): {ms:.3f} ms")
+    if not summary["compiled_copies"]:
+        print(f"the dram store copied through Python: {LIBRARY} was not built (no C compiler)")

@@ -32,7 +32,6 @@ LIBRARY = Path(__file__).with_name("libucm_sealed_moves.so")
 NUMPY_COPY_MIN = 64 << 10
 _HEADER = struct.Struct("<QQQQ")  # what a MAC covers before the payload: name, layout, length
 _CHECK, _INTO_SLOT, _OUT_OF_SLOT = 0, 1, 2  # the library's modes
-_U64P = ctypes.POINTER(ctypes.c_uint64)
 
 #: one block's move: its parts (empty to check the slot only) and its slot's bytes
 Move = tuple[Sequence[memoryview], memoryview]
@@ -44,7 +43,7 @@ def _load_library() -> ctypes.CDLL | None:
     except OSError:
         return None
     move = library.ucm_move_sealed
-    move.argtypes = [ctypes.c_uint64, ctypes.c_int, *[_U64P] * 6]
+    move.argtypes = [ctypes.c_uint64, ctypes.c_int, *[ctypes.c_void_p] * 6]  # uint64 arrays
     move.restype = ctypes.c_uint64
     return library
 
@@ -67,6 +66,8 @@ def move_sealed_batch(
 ) -> list[bytes]:
     """:func:`move_sealed` for every block of ``moves`` (``names[i]`` is block i's name),
     in one compiled call where the library is there and the store is not signed."""
+    if not moves:
+        return []
     if _LIBRARY is None or signer is not None:
         return [
             move_sealed(signer, name, layout_word, parts, slot, into=into)
@@ -77,28 +78,30 @@ def move_sealed_batch(
 
 def _moved(moves: Sequence[Move], into: bool) -> list[bytes]:
     assert _LIBRARY is not None
+    slots = [slot for _parts, slot in moves]
+    lengths = [slot.nbytes for slot in slots]
+    counts = [len(parts) for parts, _slot in moves]
+    parts = [part for block, _slot in moves for part in block]
+    if parts:
+        if not all(counts):
+            raise ValueError("a batch either copies every block or only checks them")
+        # the library copies what the lengths say: never more than a slot's view holds
+        at = 0
+        for i, (count, length) in enumerate(zip(counts, lengths)):
+            if sum([part.nbytes for part in parts[at : at + count]]) != length:
+                raise ValueError(f"block {i}'s parts do not add up to its {length} bytes")
+            at += count
     n = len(moves)
-    columns = np.zeros((4, n), np.uint64)  # slot address, length, parts, seal
-    addresses: list[int] = []
-    lengths: list[int] = []
-    for i, (parts, slot) in enumerate(moves):
-        columns[0, i] = _address(slot)
-        columns[1, i] = slot.nbytes
-        columns[2, i] = len(parts)
-        for part in parts:
-            addresses.append(_address(part))
-            lengths.append(part.nbytes)
-        # the library copies what the lengths say: never more than the slot's view holds
-        if parts and sum([part.nbytes for part in parts]) != slot.nbytes:
-            raise ValueError(f"block {i}'s parts do not add up to its {slot.nbytes} bytes")
-    if addresses and not columns[2].all():
-        raise ValueError("a batch either copies every block or only checks them")
-    mode = _CHECK if not addresses else _INTO_SLOT if into else _OUT_OF_SLOT
-    parts_at = np.array([addresses, lengths], np.uint64).reshape(2, -1)
-    rows = (columns[0], columns[1], columns[2], parts_at[0], parts_at[1], columns[3])
+    # rows of uint64: each block's slot address, length, parts and (out) seal; each part's
+    # address and length (one array each, their rows found by offset: ctypes' own
+    # conversions cost microseconds apiece)
+    blocks = np.array([[_address(s) for s in slots], lengths, counts, [0] * n], np.uint64)
+    pieces = np.array([[_address(p) for p in parts], [p.nbytes for p in parts]], np.uint64)
+    b, p, row, prow = blocks.ctypes.data, pieces.ctypes.data, 8 * n, 8 * len(parts)
+    mode = _CHECK if not parts else _INTO_SLOT if into else _OUT_OF_SLOT
     # the views in ``moves`` stay alive, their memory mapped, until the call returns
-    _LIBRARY.ucm_move_sealed(n, mode, *[row.ctypes.data_as(_U64P) for row in rows])
-    return [seal.to_bytes(8, "little") for seal in columns[3].tolist()]
+    _LIBRARY.ucm_move_sealed(n, mode, b, b + row, b + 2 * row, p, p + prow, b + 3 * row)
+    return [seal.to_bytes(8, "little") for seal in blocks[3].tolist()]
 
 
 def _address(view: memoryview) -> int:
