@@ -8,7 +8,8 @@ For each block size, the same bytes go through
     caller copies each block into the slot the store hands out, as vLLM's worker gathers
     into it, and the store seals and publishes: "dram in place"), and that store's floor:
     its copy threads hashing and copying the blocks with no store around them ("sealed
-    copies");
+    copies"), and the same store copying in Python, as it does where its compiled library
+    was not built ("dram shared py");
   * with ``--kind mooncake``: Mooncake's own client (``batch_put_from`` /
     ``batch_get_into``, in batches as large as the store's) and the mooncake store, each on
     a master and a segment server started for the run (or both on ``--master``);
@@ -43,6 +44,7 @@ from ucm.core.config import (
 )
 from ucm.core.settings import GIB
 from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
+from ucm.core.store.dram import sealing
 from ucm.core.store.dram.sealing import LIBRARY, compiled, move_sealed_batch
 from ucm.core.store.dram.shared import CHUNK
 
@@ -124,6 +126,17 @@ def written_in_place(store: Store, srcs: list, dsts: list, n: int) -> tuple[floa
         return writes.commit()
 
     return _round_trip(store, write, dsts, n)
+
+
+def _in_python(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
+    """:func:`through_store` with the dram store's copies in Python, as in a wheel built
+    without a C compiler."""
+    library = sealing._LIBRARY
+    sealing._LIBRARY = None
+    try:
+        return through_store(store, srcs, dsts, n)
+    finally:
+        sealing._LIBRARY = library
 
 
 def _round_trip(
@@ -395,6 +408,10 @@ def run_store_bench(args: argparse.Namespace) -> int:
                         "memcpy",
                     ),
                 ]
+                if compiled():  # what the compiled copies gain, in the same run
+                    cases.append(
+                        ("dram shared py", lambda: _in_python(shared, srcs, dsts, n), "memcpy")
+                    )
                 if args.signed:
                     cases += _signed_cases(root, n * size, srcs, dsts, n, opened)
             measured: dict[str, tuple[float, float]] = {}
