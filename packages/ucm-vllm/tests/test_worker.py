@@ -477,9 +477,9 @@ def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path)
 
         release = threading.Event()
 
-        def _load_one(self, *args):
+        def _load_chunk(self, *args):
             self.release.wait(30)
-            return super()._load_one(*args)
+            return super()._load_chunk(*args)
 
     layout = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP,))
     chain = block_keys(layout.chain_namespace(None), list(range(64)), 32)

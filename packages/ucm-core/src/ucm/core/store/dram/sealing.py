@@ -15,7 +15,6 @@ compute the same seal.
 from __future__ import annotations
 
 import ctypes
-import logging
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import xxhash
 from ucm.core.signing import BlockSigner
-
-log = logging.getLogger(__name__)
 
 #: the compiled library, beside this module in a wheel built with a C compiler
 LIBRARY = Path(__file__).with_name("libucm_sealed_moves.so")
@@ -123,7 +120,8 @@ def move_sealed(
     into: bool,
 ) -> bytes:
     """Copy ``parts`` into the slot (``into``) or the slot into ``parts`` (empty ``parts``:
-    only read it); the block's seal.
+    only read it); the block's seal.  The routine in Python: for a signed store, and where
+    the compiled library is absent.
 
     Each piece is hashed where it is read, then copied while it is in the cache: the seal
     of a dump is that of the bytes the caller gave (a slot that differs, written over while
