@@ -18,20 +18,26 @@ from ucm.lab.testing.core import blob, flip_shared_block_byte, key
 SIZES = [1, 16, 240, 241, 1023, 1024, 4096 + 5, 65536, 65537, 300_001]
 
 
+def _need_library() -> None:
+    """Skip where the wheel could not have compiled the library; fail where it should have."""
+    if not sealing.compiled():
+        if not (shutil.which("cc") or shutil.which("gcc")):
+            pytest.skip("no C compiler here: the wheel is pure Python by design")
+        pytest.fail(f"{sealing.LIBRARY} is missing: ucm-core's wheel was built without it")
+
+
 @pytest.fixture(params=["compiled", "python"])
 def path(request, monkeypatch):
     if request.param == "compiled":
-        if not sealing.compiled():
-            pytest.fail(f"{sealing.LIBRARY} is missing: ucm-core's wheel was built without it")
+        _need_library()
     else:
         monkeypatch.setattr(sealing, "_LIBRARY", None)
     return request.param
 
 
 def test_the_library_is_built_where_there_is_a_c_compiler():
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler here: the wheel is pure Python by design")
-    assert sealing.compiled(), f"{sealing.LIBRARY} was not built"
+    _need_library()
+    assert sealing.compiled()
 
 
 def _slots(total: int) -> memoryview:
@@ -71,8 +77,7 @@ def _split(view: memoryview) -> list[memoryview]:
 
 def test_the_compiled_call_refuses_parts_that_do_not_fill_their_slot_before_moving_a_byte():
     # it copies what the lengths say, so it checks them first: never past a slot's view
-    if not sealing.compiled():
-        pytest.skip("no compiled library here")
+    _need_library()
     slot = _slots(4096)[:1000]
     for parts in ([memoryview(bytes(999))], [memoryview(b"x" * 600), memoryview(b"y" * 600)]):
         with pytest.raises(ValueError, match="do not add up to its 1000 bytes"):
@@ -86,6 +91,7 @@ def test_the_compiled_call_refuses_parts_that_do_not_fill_their_slot_before_movi
 def test_blocks_dumped_by_one_path_load_by_the_other_and_corruption_fails_both(
     shm_dir, monkeypatch
 ):
+    _need_library()
     settings = {"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125}
     keys = [key(i) for i in range(40)]  # more than one chunk of a copy thread
     data = [blob(i, 70_000) for i in range(40)]
