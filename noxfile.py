@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -100,10 +101,12 @@ def _c_compiler(session: nox.Session) -> None:
     wheel compiles the dram store's copies with it, and is pure Python (slower) without."""
     if shutil.which("cc") or shutil.which("gcc") or not shutil.which("apt-get"):
         return
-    if os.geteuid() != 0:
-        session.warn("no C compiler: ucm-core's wheel will copy in Python (apt-get install gcc)")
-        return
-    _apt_install(session, ["gcc", "libc6-dev"])
+    if os.geteuid() == 0:
+        try:
+            return _apt_install(session, ["gcc", "libc6-dev"])
+        except CommandFailed:  # the tests of the compiled copies then skip, the rest run
+            pass
+    session.warn("no C compiler: ucm-core's wheel will copy in Python (apt-get install gcc)")
 
 
 def _system_libraries(session: nox.Session) -> None:
