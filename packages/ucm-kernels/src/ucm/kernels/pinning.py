@@ -21,10 +21,10 @@ a 256 KiB block takes to cross the link.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
+from ucm.core.store.payload import address_of
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class PinnedRegions:
         if not views:
             return []
         nbytes = views[0].nbytes
-        addresses = [ctypes.addressof(ctypes.c_char.from_buffer(view)) for view in views]
+        addresses = [address_of(view) for view in views]
         whole, first = self._region_of(addresses[0], nbytes)
         last = addresses[-1] - whole.data_ptr()
         if (

@@ -3,6 +3,7 @@ concatenation is the block (a scatter-gather list), checked before any I/O start
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -142,3 +143,13 @@ def byte_view(buffer: object, *, writable: bool, what: str) -> memoryview:
     if writable and view.readonly:
         raise ValueError(f"{what} is read-only; a load needs a writable buffer")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def address_of(view: memoryview) -> int:
+    """Where a flat byte view's memory starts (0 for an empty one), for a compiled call or a
+    driver; the view must stay alive while the address is used."""
+    if not view.nbytes:
+        return 0
+    if not view.readonly:  # ctypes' way is the cheaper, for writable memory only
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, np.uint8).ctypes.data)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 from ucm.core.signing import BlockSigner
+from ucm.core.store.payload import address_of
 
 #: the compiled library, beside this module in a wheel built with a C compiler
 LIBRARY = Path(__file__).with_name("libucm_sealed_moves.so")
@@ -92,22 +93,13 @@ def _moved(moves: Sequence[Move], into: bool) -> list[bytes]:
     # rows of uint64: each block's slot address, length, parts and (out) seal; each part's
     # address and length (one array each, their rows found by offset: ctypes' own
     # conversions cost microseconds apiece)
-    blocks = np.array([[_address(s) for s in slots], lengths, counts, [0] * n], np.uint64)
-    pieces = np.array([[_address(p) for p in parts], [p.nbytes for p in parts]], np.uint64)
+    blocks = np.array([[address_of(s) for s in slots], lengths, counts, [0] * n], np.uint64)
+    pieces = np.array([[address_of(p) for p in parts], [p.nbytes for p in parts]], np.uint64)
     b, p, row, prow = blocks.ctypes.data, pieces.ctypes.data, 8 * n, 8 * len(parts)
     mode = _CHECK if not parts else _INTO_SLOT if into else _OUT_OF_SLOT
     # the views in ``moves`` stay alive, their memory mapped, until the call returns
     _LIBRARY.ucm_move_sealed(n, mode, b, b + row, b + 2 * row, p, p + prow, b + 3 * row)
     return [seal.to_bytes(8, "little") for seal in blocks[3].tolist()]
-
-
-def _address(view: memoryview) -> int:
-    """Where a byte view's memory starts (0 for an empty one)."""
-    if not view.nbytes:
-        return 0
-    if not view.readonly:  # ctypes' way is the cheaper, for writable memory only
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
 def move_sealed(

@@ -378,14 +378,9 @@ class SharedMemoryStore(Store):
                     moved.append(j)
             names = [words[j] for j in moved]
             seals = move_sealed_batch(self._signer, names, layout_word, moves, into=False)
-            for j, seal in zip(moved, seals):
-                pin = pinned[j]
-                assert pin is not None
-                if seal_matches(seal, pin.seal):
-                    results[j] = OK
-                else:
-                    results[j] = self._corrupt()
-                    bad.append(pin)
+            checked = self._checked(seals, [pinned[j] for j in moved], bad)
+            for j, result in zip(moved, checked):
+                results[j] = result
         finally:  # every pin goes, whatever happened
             try:
                 held = _unpin(arena, pinned, bad)
@@ -444,14 +439,20 @@ class SharedMemoryStore(Store):
         moves: list[Move] = [((), reads.views[i]) for i in chunk]  # type: ignore[misc]
         names = [words[i] for i in chunk]
         seals = move_sealed_batch(self._signer, names, layout_word, moves, into=False)
+        return self._checked(seals, [reads.pinned[i] for i in chunk], reads.bad)
+
+    def _checked(
+        self, seals: list[bytes], pins: Sequence[Pinned | None], bad: list[Pinned]
+    ) -> list[KeyResult]:
+        """Per pinned block, OK where its seal is the stored one, else corrupt and its pin
+        added to ``bad`` (dropped from the store when unpinned)."""
         results = []
-        for i, seal in zip(chunk, seals):
-            pin = reads.pinned[i]
+        for seal, pin in zip(seals, pins):
             assert pin is not None
             if seal_matches(seal, pin.seal):
                 results.append(OK)
             else:
-                reads.bad.append(pin)  # dropped from the store when given back
+                bad.append(pin)
                 results.append(self._corrupt())
         return results
 
