@@ -9,6 +9,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:packages/ucm-core/src:packages/ucm-lab/src PYTHONUNBUFFERED=1
 lscpu | grep -E "Model name|^CPU\(s\)"
+${PY:-python3} -c "from ucm.core.store.dram import sealing; print('compiled copies:', sealing.compiled(), sealing.LIBRARY)"
 ${PY:-python3} -c "
 import argparse, sys
 from ucm.lab.core.bench import run_store_bench

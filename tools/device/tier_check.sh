@@ -1,6 +1,7 @@
 #!/bin/bash
 # The host tier on a GPU machine without vLLM (a lent device machine: torch and Triton,
-# no registry): the worker's round trips on CUDA caches, then `bench_tier` twice.
+# no registry): the worker's and FastDeploy's round trips on CUDA caches, FastDeploy's
+# host-tier bench, then `bench_tier` (TIER_RUNS, 2) times.
 # Run from the repository root, with the wheels the machine lacks in .whl/ (blake3).
 # Writes its logs under $OUT when set.
 set -u
@@ -10,7 +11,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:packages/ucm-core/src:packages/ucm-kernels/src:packages/ucm-vllm/src:packages/ucm-lab/src
+export PYTHONPATH=/tmp/site:packages/ucm-core/src:packages/ucm-kernels/src:packages/ucm-vllm/src:packages/ucm-fastdeploy/src:packages/ucm-lab/src
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 df -h /dev/shm | tail -1
@@ -45,7 +46,11 @@ print("after unregister pinned:", host.is_pinned())
 os.unlink("/dev/shm/ucm-probe")
 PY
 timeout 240 python3 -c "import sys; sys.modules['vllm'] = None; import pytest; sys.exit(pytest.main(['packages/ucm-vllm/tests/test_worker.py', 'packages/ucm-kernels/tests/test_staging.py', '-q', '-p', 'no:cacheprovider', '--import-mode=importlib', '-k', 'cuda']))" 2>&1 | tee "$OUT/pytest.txt" | tail -25
-for run in 1 2; do
+# FastDeploy's AttentionStore on CUDA caches (torch tensors stand in for paddle's, which
+# reach the kernels as torch views through DLPack): the staged path and the host tier's
+timeout 180 python3 -c "import sys, pytest; sys.exit(pytest.main(['packages/ucm-fastdeploy/tests/test_cuda.py', '-q', '-p', 'no:cacheprovider', '--import-mode=importlib', '--noconftest']))" 2>&1 | tee "$OUT/pytest_fastdeploy.txt" | tail -25
+timeout 200 python3 -m ucm.lab.fastdeploy.bench_tier --repeat "${FD_REPEAT:-5}" --json 2>&1 | tee "$OUT/bench_fastdeploy_tier.txt" | grep -v '^{'
+for run in $(seq 1 "${TIER_RUNS:-2}"); do
   timeout 200 python3 -m ucm.lab.kernels.bench_tier --json 2>&1 | tee "$OUT/bench_tier$run.txt" | grep -v '^{'
 done
-rm -rf /dev/shm/ucm-bench-tier-* /dev/shm/ucm-test-*
+rm -rf /dev/shm/ucm-bench-tier-* /dev/shm/ucm-bench-fd-tier-* /dev/shm/ucm-test-*

@@ -138,3 +138,74 @@ def test_write_sees_the_kernels_queued_before_it(tmp_path) -> None:
     assert _store(str(tmp_path)).read("r", k2, v2, tokens, list(range(n)), 0) == n
     for src, dst in zip(new_k + new_v, k2 + v2, strict=True):
         assert torch.equal(_bits(dst)[:n], _bits(src)[:n])
+
+
+@pytest.fixture
+def shm_dir():
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    path = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _tier(path, **settings) -> AttentionStore:
+    store = {"kind": "dram", "path": str(path), "capacity_gb": 0.0625}
+    return _store(path, 8, 128, ucm_config={"store": store, **settings})
+
+
+def _no_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucm.fastdeploy.transfer import Mover
+
+    def staged(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a block went through a staging row")
+
+    monkeypatch.setattr(Mover, "_gather", staged)
+    monkeypatch.setattr(Mover, "_scatter", staged)
+
+
+def test_gpu_blocks_move_straight_into_and_out_of_the_host_tier(shm_dir, monkeypatch) -> None:
+    """With the dram store of scope host, the store's memory is registered with the driver
+    and the DMA engine copies straight into its slots and out of its lent blocks."""
+    _no_staging(monkeypatch)
+    config = {"slice_write": {"slice_blocks": 7}, "pipeline_chunk_mb": 1}
+    k, v = _caches(11, torch.bfloat16, "cuda", 8, 128)
+    n = 30
+    table = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(5))[:n].tolist()
+    tokens = _tokens(n)
+    with _tier(shm_dir, **config) as writer:
+        assert writer.write("w", k, v, tokens, table, 0) == n
+        assert len(writer._mover.pinned) == 1  # the arena, registered
+    k2, v2 = _caches(12, torch.bfloat16, "cuda", 8, 128)
+    before = [_bits(t) for t in k2 + v2]
+    targets = list(range(BLOCKS - 1, BLOCKS - 1 - n, -1))
+    with _tier(shm_dir, **config) as reader:
+        assert reader.query("r", tokens, 0) == n
+        assert reader.read("r", k2, v2, tokens, targets, 0) == n
+    for src, dst, old in zip(k + v, k2 + v2, before, strict=True):
+        got, want = _bits(dst), _bits(src)
+        for j in range(n):
+            assert torch.equal(got[targets[j]], want[table[j]]), f"block {j}"
+        untouched = sorted(set(range(BLOCKS)) - set(targets))
+        assert torch.equal(got[untouched], old[untouched])
+
+
+def test_a_flipped_block_in_the_host_tier_stops_a_gpu_read(shm_dir, monkeypatch) -> None:
+    from ucm.lab.testing.core import flip_shared_block_byte
+
+    _no_staging(monkeypatch)
+    k, v = _caches(13, torch.bfloat16, "cuda", 8, 128)
+    n = 10
+    tokens = _tokens(n)
+    with _tier(shm_dir) as writer:
+        assert writer.write("w", k, v, tokens, list(range(n)), 0) == n
+        flip_shared_block_byte(shm_dir, writer.keyspace.keys(tokens, 0, n)[6], offset=4321)
+    k2, v2 = _caches(14, torch.bfloat16, "cuda", 8, 128)
+    ids = list(range(BLOCKS - n, BLOCKS))
+    with _tier(shm_dir) as reader:
+        assert reader.read("r", k2, v2, tokens, ids, 0) == 6
+        assert reader.query("q", tokens, 0) == 6  # the corrupt block is gone
+    for src, dst in zip(k + v, k2 + v2, strict=True):
+        assert torch.equal(_bits(dst)[ids[:6]], _bits(src)[:6])

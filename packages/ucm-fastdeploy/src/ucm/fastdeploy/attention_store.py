@@ -418,7 +418,9 @@ class AttentionStore:
     # -- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the store (when this object created it)."""
+        """Unregister the store's memory from the GPU's driver, then close the store (when
+        this object created it)."""
+        self._mover.close()
         if self._owns_store:
             self.store.close()
 

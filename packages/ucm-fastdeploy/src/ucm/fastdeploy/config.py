@@ -104,7 +104,10 @@ class FastDeployConfig:
     zero_copy: bool = setting(
         "Where the caches allow it (CPU tensors whose blocks are contiguous, FastDeploy's "
         "layout), the store writes and reads the cache blocks in place, with no staging "
-        "copy; false stages every block through ucm.kernels' gather/scatter.",
+        "copy; where the store keeps its blocks in this host's memory (dram, scope host), "
+        "GPU caches (and CPU blocks of 1 MiB or more in other layouts) are copied straight "
+        "into and out of it, its memory registered with the GPU's driver; false stages "
+        "every block through ucm.kernels' gather/scatter.",
         default=True,
         validator=boolean,
     )

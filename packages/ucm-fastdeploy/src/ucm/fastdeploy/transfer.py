@@ -1,14 +1,21 @@
 """Moving runs of blocks between the paged caches and the store.
 
-Two ways, chosen per call:
+Three ways, chosen per call:
 
 * **in place** (CPU caches whose blocks are contiguous, FastDeploy's layout): each block's
   payload is a list of views of the cache memory (``ucm.kernels.block_segments``); the store
   writes the file from, and reads it into, the caches directly, with no copy at all;
-* **staged** (GPU caches, other layouts): a write gathers a step of blocks into a staging
-  buffer and hands it to the store, gathering the next step while the store's threads write
-  the previous one; a read keeps a few steps of loads in flight and scatters each verified
-  step while the next ones load.  The copies go through ``ucm.kernels``.
+* **into the store's memory** (GPU caches, and CPU caches of other layouts, where the store
+  keeps its blocks in this host's memory: the dram store of scope ``host``): a write gathers
+  a step of blocks straight into the slots the store reserves (``Store.open_writes``), and
+  the store only seals them; a read copies out of the blocks the store lends where they lie
+  (``Store.open_reads``), once its threads checked them.  On a GPU the store's memory is
+  registered with the CUDA driver first (``ucm.kernels.PinnedRegions``), so that its DMA
+  engine copies straight into and out of it: one copy, no staging row;
+* **staged** (everything else): a write gathers a step of blocks into a staging buffer and
+  hands it to the store, gathering the next step while the store's threads write the
+  previous one; a read keeps a few steps of loads in flight and scatters each verified step
+  while the next ones load.  The copies go through ``ucm.kernels``.
 
 Both keep the stored prefix whole:
 
@@ -36,8 +43,15 @@ from collections.abc import Sequence
 import attrs
 import torch
 from ucm.core.store import Status, Store, Task
+from ucm.core.store.reads import SlotReads
 from ucm.fastdeploy.tensors import CacheSet
-from ucm.kernels import BlockSegments, HostStager, block_segments
+from ucm.kernels import (
+    IN_PLACE_MIN_BYTES,
+    BlockSegments,
+    HostStager,
+    PinnedRegions,
+    block_segments,
+)
 from ucm.kernels.transfer import (
     RowPool,
     deferred_payloads,
@@ -55,6 +69,7 @@ class _Step:
     count: int
     task: Task
     buf: list[torch.Tensor] | None  # the staging rows; None in place
+    lent: SlotReads | None = None  # a read's blocks the store lends where they lie
 
 
 @attrs.define
@@ -85,8 +100,9 @@ SHARED_POOL = RowPool(512 << 20)
 
 
 class Mover:
-    """Moves whole blocks between the caches and the store, in place where the caches allow
-    it and through ``ucm.kernels`` (``HostStager``) otherwise."""
+    """Moves whole blocks between the caches and the store: in place where the caches allow
+    it, straight into and out of the store's memory where it has some, and through
+    ``ucm.kernels`` (``HostStager``) otherwise."""
 
     def __init__(
         self,
@@ -102,6 +118,54 @@ class Mover:
         self.depth = depth
         self.zero_copy = zero_copy
         self._stagers = threading.local()  # a side stream per thread on a GPU
+        # the store's host memory, registered with the GPU's driver (_registered)
+        self.pinned = PinnedRegions()
+        self._pinning = threading.Lock()
+        self._refused = False  # the driver or a copy refused the store's memory: stage
+
+    def close(self) -> None:
+        """Unregister the store's memory from the GPU's driver (before the store unmaps
+        it)."""
+        with self._pinning:
+            self.pinned.close()
+
+    def _tier(self, cs: CacheSet) -> bool:
+        """Whether to try moving this call's blocks straight between the caches and the
+        store's own memory (:meth:`Store.open_writes` and :meth:`Store.open_reads` say
+        whether it has some): on a GPU once that memory is registered with its driver, on
+        the CPU where a block is large enough to copy as fast as into staging rows."""
+        if not self.zero_copy or self._refused:
+            return False
+        if cs.device.type == "cpu":
+            return cs.nbytes >= IN_PLACE_MIN_BYTES
+        return cs.device.type == "cuda" and self._registered()
+
+    def _registered(self) -> bool:
+        """Whether the store's host memory is registered with the GPU's driver: all of it,
+        the first time the store has some (it maps its memory with its first block)."""
+        with self._pinning:
+            if self.pinned or self._refused:
+                return bool(self.pinned)
+            regions = self.store.host_memory()
+            if not regions:
+                return False
+            started = time.perf_counter()
+            if all(self.pinned.register(region) for region in regions):
+                log.info(
+                    "ucm fastdeploy: %.1f GiB of the store's host memory registered with the "
+                    "GPU driver in %.2f s: blocks are copied straight into and out of it",
+                    sum(r.nbytes for r in regions) / 2**30,
+                    time.perf_counter() - started,
+                )
+            else:
+                self.pinned.close()
+                self._refused = True
+            return bool(self.pinned)
+
+    def _refuse(self, what: str, exc: Exception) -> None:
+        log.warning("ucm fastdeploy: cannot copy %s the store's memory (%s): staging instead",
+                    what, exc)  # fmt: skip
+        self._refused = True
 
     def _in_place(self, cs: CacheSet, block_ids: Sequence[int]) -> BlockSegments | None:
         """Each block's payload as views of the caches, or None: stage it."""
@@ -168,8 +232,9 @@ class Mover:
                     )
                     steps.append(_Step(off, count, task, None))
             else:
-                self._write_staged(cs, block_ids, keys, deadline, tag, steps, ahead)
-                if ahead is not None:
+                tier = self._tier(cs)
+                self._write_staged(cs, block_ids, keys, deadline, tag, steps, ahead, tier)
+                if ahead is not None and not tier:
                     self._gather_ahead(cs, steps, next_ids, ahead, deadline)
         except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
             log.warning("ucm fastdeploy %s: write of blocks %d.. failed: %s", label,
@@ -185,7 +250,10 @@ class Mover:
         tag: bytes,
         steps: deque[_Step],
         ahead: Ahead | None,
+        tier: bool,
     ) -> None:
+        """Write in steps, each into the store's memory (``tier``) where it has room, else
+        through staging rows."""
         n = len(keys)
         step = self._step_blocks(cs)
         pin = cs.device.type == "cuda"
@@ -200,18 +268,52 @@ class Mover:
             ):
                 return
             count = min(step, n - off)
-            buf = ahead.take(block_ids[off : off + count]) if ahead is not None else None
+            ids, ks = block_ids[off : off + count], keys[off : off + count]
+            written = self._write_tier(cs, ids, ks, tag) if tier else None
+            if written is not None:
+                steps.append(_Step(off, count, written, None))
+                continue
+            buf = ahead.take(ids) if ahead is not None else None
             try:
                 if buf is None:
                     buf = self.pool.take(cs.nbytes, count, pin=pin)
-                    self._gather(cs, block_ids[off : off + count], buf)
-                task = self.store.dump(keys[off : off + count], row_buffers(buf), tag)
+                    self._gather(cs, ids, buf)
+                task = self.store.dump(ks, row_buffers(buf), tag)
             except Exception:
                 if buf is not None:
                     self.pool.give(buf)
                 raise
             task.add_done_callback(lambda _t, b=buf: self.pool.give(b))
             steps.append(_Step(off, count, task, buf))
+
+    def _write_tier(
+        self, cs: CacheSet, block_ids: Sequence[int], keys: Sequence[bytes], tag: bytes
+    ) -> Task | None:
+        """Gather the blocks straight into room the store reserves in its memory and commit
+        them (the store seals and publishes them on its threads); None where it has no room
+        for them: stage them."""
+        try:
+            writes = self.store.open_writes(keys, cs.nbytes, tag)
+        except Exception as exc:  # noqa: BLE001 - the staged dump that follows reports it
+            log.debug("ucm fastdeploy: no room to write in place (%s)", exc)
+            return None
+        if writes is None:
+            return None
+        at = [j for j, view in enumerate(writes.views) if view is not None]
+        try:
+            if at:
+                rows = self.pinned.rows([writes.views[j] for j in at])  # type: ignore[misc]
+                self._stager(cs.device).dump(
+                    cs.caches, [block_ids[j] for j in at], rows, scales=cs.scales
+                ).wait()
+        except ValueError as exc:  # the copy refused the room (a GPU: not pinned after all)
+            writes.abort()
+            self._refuse("into", exc)
+            return None
+        except BaseException:
+            writes.abort()
+            raise
+        return writes.commit()
 
     def _gather_ahead(
         self,
@@ -308,6 +410,7 @@ class Mover:
         step = self._step_blocks(cs)
         pin = cs.device.type == "cuda"
         tag = cs.tag()
+        tier = False
         pending: deque[_Step] = deque()
         late: list[_Step] = []  # steps left behind still loading
         submitted = 0
@@ -318,19 +421,30 @@ class Mover:
             depth = self.depth
             if segments is not None:  # in place: no staging memory to bound
                 depth, step = n, _in_place_step(step, n)
+            else:
+                tier = self._tier(cs)
             while True:
                 while submitted < n and len(pending) < depth:
                     count = min(step, n - submitted)
-                    pending.append(self._load(cs, keys, segments, submitted, count, pin, tag))
+                    pending.append(self._load(cs, keys, segments, submitted, count, pin, tag, tier))
                     submitted += count
                 if not pending:
                     break
                 s = pending.popleft()
                 finished = _wait(s.task, deadline)
-                if not finished:
-                    late.append(s)  # its leading loaded blocks still count
                 results = s.task.partial()
                 good = verified_prefix(results)
+                if s.lent is not None:  # copied out, given back: nothing left to stop
+                    ids = block_ids[s.offset : s.offset + good]
+                    lent, s.lent = s.lent, None
+                    copied, why = self._copy_lent(cs, ids, lent)
+                    filled += copied
+                    if copied < s.count:
+                        problem = f"block {s.offset + copied}: {why or first_problem(results)}"
+                        break
+                    continue
+                if not finished:
+                    late.append(s)  # its leading loaded blocks still count
                 if good and s.buf is not None:
                     self._scatter(cs, block_ids[s.offset : s.offset + good], s.buf[:good])
                 if finished and s.buf is not None:
@@ -343,6 +457,10 @@ class Mover:
             problem = f"failed: {exc}"
         finally:
             late += pending
+            for s in late:
+                if s.lent is not None:  # not copied: given back (checks in progress end)
+                    s.lent.release()
+            late = [s for s in late if s.lent is None]
             if not self._stop(late, grace_s):
                 _warn_late(late, label)
             for s in late:  # the store may still fill their staging rows
@@ -364,9 +482,19 @@ class Mover:
         count: int,
         pin: bool,
         tag: bytes,
+        tier: bool,
     ) -> _Step:
-        """Submit the loads of blocks ``[offset, offset + count)``."""
+        """Submit the loads of blocks ``[offset, offset + count)``: in place, lent by the
+        store (``tier``, where it lends them), or into staging rows."""
         ks = keys[offset : offset + count]
+        if tier:
+            try:
+                lent = self.store.open_reads(ks, cs.nbytes, tag)
+            except Exception as exc:  # noqa: BLE001 - the load that follows reports the store
+                log.debug("ucm fastdeploy: no blocks lent in place (%s)", exc)
+                lent = None
+            if lent is not None:
+                return _Step(offset, count, lent.task, None, lent)
         if segments is not None:
             return _Step(
                 offset,
@@ -383,6 +511,27 @@ class Mover:
             self.pool.give(buf)
             raise
         return _Step(offset, count, task, buf)
+
+    def _copy_lent(
+        self, cs: CacheSet, block_ids: Sequence[int], lent: SlotReads
+    ) -> tuple[int, str]:
+        """Scatter the first ``len(block_ids)`` lent blocks, checked, into ``block_ids``
+        and give every block back.  How many leading ones were copied while still lent (the
+        cache blocks past them may hold anything), and why not more ("" where all were)."""
+        copied, why = len(block_ids), ""
+        try:
+            if block_ids:
+                rows = self.pinned.rows(lent.views[:copied])  # type: ignore[arg-type]
+                self._stager(cs.device).load(cs.caches, block_ids, rows, scales=cs.scales).wait()
+        except ValueError as exc:  # the copy refused the store's memory (a GPU: not pinned)
+            self._refuse("out of", exc)
+            copied, why = 0, f"cannot copy out of the store's memory: {exc}"
+        finally:  # every loan ends, whatever happened
+            held = lent.release()
+        kept = next((i for i in range(copied) if not held[i]), copied)
+        if kept < copied:
+            why = "the store took it back before it was copied"
+        return kept, why
 
 
 def _warn_late(late: Sequence[_Step], label: str) -> None:

@@ -25,7 +25,7 @@ from ucm.kernels.pinning import PinnedRegions
 from ucm.kernels.reference import gather_reference, scatter_reference
 from ucm.kernels.segments import BlockSegments, block_segments
 from ucm.kernels.spec import SUPPORTED_DTYPES, CacheSpec, PayloadLayout, make_layout
-from ucm.kernels.staging import HostStager, TransferHandle, alloc_host_buffers
+from ucm.kernels.staging import IN_PLACE_MIN_BYTES, HostStager, TransferHandle, alloc_host_buffers
 from ucm.kernels.validate import TransferPlan, build_plan, describe_caches
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "CacheSpec",
     "HostStager",
+    "IN_PLACE_MIN_BYTES",
     "PayloadLayout",
     "PinnedRegions",
     "TransferHandle",

@@ -69,9 +69,13 @@ class PinnedRegions:
         they lie one after another in rising order (one check and one copy for the batch,
         not one a row: a row's costs tens of microseconds of Python, longer than a 256 KiB
         block takes to cross the link), else uint8 slices of the regions' tensors (rows
-        that follow each other still share a storage, and move in one copy)."""
+        that follow each other still share a storage, and move in one copy).  Where nothing
+        is registered (no GPU, or the driver refused), plain tensors over the views: a CPU
+        copies into them as well, a GPU refuses them (not pinned)."""
         if not views:
             return []
+        if not self._regions:
+            return [torch.frombuffer(view, dtype=torch.uint8) for view in views]  # type: ignore[call-overload]
         nbytes = views[0].nbytes
         addresses = [address_of(view) for view in views]
         whole, first = self._region_of(addresses[0], nbytes)

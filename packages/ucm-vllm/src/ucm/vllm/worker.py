@@ -51,7 +51,14 @@ from ucm.core.lifecycle import DumpTracker
 from ucm.core.store import KeyResult, Status, Store, Task
 from ucm.core.store.reads import SlotReads
 from ucm.core.store.writes import SlotWrites
-from ucm.kernels import BlockSegments, HostStager, PinnedRegions, block_segments, payload_nbytes
+from ucm.kernels import (
+    IN_PLACE_MIN_BYTES,
+    BlockSegments,
+    HostStager,
+    PinnedRegions,
+    block_segments,
+    payload_nbytes,
+)
 from ucm.kernels.transfer import RowPool, deferred_payloads, row_buffers, verified_prefix
 from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
@@ -61,13 +68,6 @@ from ucm.vllm.transfers import NULL_BLOCK, Item, Report, StepPlan, Transfer
 
 log = logging.getLogger(__name__)
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
-
-# A block whose payload is not a run of the cache's memory per cache tensor (several engine
-# blocks of a cache with several heads) is gathered by one kernel call per block and cache
-# tensor into rows of its own, against one per step into host rows of one allocation: below
-# this size, rows are faster (256 blocks of 512 KiB, 8 layers: 30 ms into rows, 190 ms in
-# place); above it, writing in place is (4 MiB: 2.2 times faster, no fresh row memory).
-IN_PLACE_MIN_BYTES = 1 << 20
 
 # Sync loads are read and scattered in pieces of about this size, so that the reads of one
 # piece overlap the scatter of the previous one.
@@ -349,7 +349,7 @@ class WorkerSide:
         try:
             self._scatter(
                 [items[p] for p in ok],
-                lambda at: self._host_rows([views[ok[i]] for i in at]),  # type: ignore[misc]
+                lambda at: self.pinned.rows([views[ok[i]] for i in at]),  # type: ignore[misc]
             )
         except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
             log.warning("ucm: cannot copy out of the store's memory (%s): using rows", exc)
@@ -362,13 +362,6 @@ class WorkerSide:
                     held[p] = kept
             job.lent = []
         return [r if held[p] or r is None else _LOAN_ENDED for p, r in enumerate(results)]
-
-    def _host_rows(self, views: list[memoryview]) -> torch.Tensor | list[torch.Tensor]:
-        """A store's memory as host rows: on a GPU, views of its registered regions (rows
-        one after another move in one copy)."""
-        if self.pinned:
-            return self.pinned.rows(views)
-        return [torch.frombuffer(view, dtype=torch.uint8) for view in views]  # type: ignore[call-overload]
 
     def _segments(self, items: list[Item]) -> BlockSegments | None:
         """The engine blocks of ``items`` as store payloads (one group's, one engine block
@@ -559,7 +552,7 @@ class WorkerSide:
                 self.stager.dump(
                     self.caches[group],
                     [items[p].block_ids for p in at],
-                    self._host_rows([writes.views[p] for p in at]),  # type: ignore[misc]
+                    self.pinned.rows([writes.views[p] for p in at]),  # type: ignore[misc]
                     null_block_id=NULL_BLOCK,
                 ).wait()
         except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)

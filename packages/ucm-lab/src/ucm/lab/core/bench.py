@@ -46,7 +46,7 @@ from ucm.core.settings import GIB
 from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
 from ucm.core.store.dram import sealing
 from ucm.core.store.dram.sealing import LIBRARY, compiled, move_sealed_batch
-from ucm.core.store.dram.shared import CHUNK
+from ucm.core.store.dram.shared import chunk_keys
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
 #: the cases that copy into a pool of pre-faulted blocks, made for them and dropped after
@@ -183,8 +183,9 @@ def _sealed_copies(srcs: list, pool: list, dsts: list, n: int, threads: int) -> 
     ``threads`` threads dealing out the blocks of each batch as the store does."""
 
     def move(pairs: list[tuple[memoryview, memoryview]], into: bool) -> None:
-        for c in range(0, len(pairs), CHUNK):
-            chunk = pairs[c : c + CHUNK]
+        size = chunk_keys(pairs[0][0].nbytes) if pairs else 1
+        for c in range(0, len(pairs), size):
+            chunk = pairs[c : c + size]
             moves = [((part,), slot) for slot, part in chunk]
             move_sealed_batch(None, [(0, 0)] * len(chunk), 0, moves, into=into)
 

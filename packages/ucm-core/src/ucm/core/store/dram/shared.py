@@ -70,6 +70,15 @@ _KEY = struct.Struct("<QQ")
 #: memcpy, 32 0.49-0.53 / 0.62-0.67, 64 0.46-0.66 / 0.54-0.68, in runs on a noisy VM; with
 #: the compiled copies, medians of five rounds, 16 0.97 / 0.74, 32 1.04 / 0.80, 64 1.17 / 0.75)
 CHUNK = 32
+#: and bytes of blocks one chunk holds at most (CHUNK blocks of 256 KiB), so that a batch of
+#: a few large blocks still spreads over the threads: FastDeploy writes steps of 8 blocks of
+#: 4 MiB, one chunk each before, sealed by one thread while the others had nothing to do
+CHUNK_BYTES = 8 << 20
+
+
+def chunk_keys(nbytes: int) -> int:
+    """Keys a chunk of blocks of ``nbytes`` holds: :data:`CHUNK`, fewer for large blocks."""
+    return max(1, min(CHUNK, CHUNK_BYTES // max(nbytes, 1)))
 
 
 class SharedMemoryStore(Store):
@@ -183,39 +192,44 @@ class SharedMemoryStore(Store):
         if not keys:
             return Task.completed([])
         try:
-            arena = self._arena_for(max(p.nbytes for p in payloads))
+            nbytes = max(p.nbytes for p in payloads)
+            arena = self._arena_for(nbytes)
         except ConfigError as exc:
             return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
         return self._spread(
-            len(keys), self._dump_chunk, arena, keys, payloads, _layout_word(layout)
+            len(keys), nbytes, self._dump_chunk, arena, keys, payloads, _layout_word(layout)
         )
 
     def _spread(
         self,
         n: int,
+        nbytes: int,
         run: Any,
         *args: Any,
         settled: list[KeyResult | None] | None = None,
         undo: Callable[[Sequence[int]], Any] | None = None,
     ) -> Task:
-        """A task over ``n`` keys, those with a result in ``settled`` done at once, the
-        others dealt out to the copy threads, each running its share in chunks of
-        :data:`CHUNK` keys as ``run(task, chunk, *args)`` (a chunk's results)."""
+        """A task over ``n`` keys of blocks of up to ``nbytes``, those with a result in
+        ``settled`` done at once, the others dealt out to the copy threads, each running its
+        share in chunks (:func:`chunk_keys`) as ``run(task, chunk, *args)`` (a chunk's
+        results)."""
         task = Task(n)
         todo: Sequence[int] = range(n)
         if settled is not None:
             done = [i for i, r in enumerate(settled) if r is not None]
             task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
             todo = [i for i, r in enumerate(settled) if r is None]
-        threads = min(self.config.threads, -(-len(todo) // CHUNK))
+        size = chunk_keys(nbytes)
+        threads = min(self.config.threads, -(-len(todo) // size))
         for k in range(threads):
-            self._pool.submit(self._run_chunks, task, todo[k::threads], run, args, undo)
+            self._pool.submit(self._run_chunks, task, todo[k::threads], size, run, args, undo)
         return task
 
     @staticmethod
     def _run_chunks(
         task: Task,
         share: Sequence[int],
+        size: int,
         run: Any,
         args: tuple[Any, ...],
         undo: Callable[[Sequence[int]], Any] | None = None,
@@ -224,8 +238,8 @@ class SharedMemoryStore(Store):
         # the other threads copy: the bookkeeping of one overlaps the copies of another (all
         # of it up front, on the caller's thread, kept the copy threads waiting for half the
         # time at 256 KiB blocks).  A chunk not started when the task is cancelled is not.
-        for c in range(0, len(share), CHUNK):
-            chunk = share[c : c + CHUNK]
+        for c in range(0, len(share), size):
+            chunk = share[c : c + size]
             task.run_keys(
                 chunk,
                 lambda chunk=chunk: run(task, chunk, *args),  # type: ignore[misc]
@@ -339,8 +353,9 @@ class SharedMemoryStore(Store):
         if arena is None or not keys:
             return Task.completed([MISS] * len(keys))
         arena.map_data()
+        nbytes = max(p.nbytes for p in payloads)
         return self._spread(
-            len(keys), self._load_chunk, arena, keys, payloads, _layout_word(layout)
+            len(keys), nbytes, self._load_chunk, arena, keys, payloads, _layout_word(layout)
         )
 
     def _load_chunk(
@@ -422,7 +437,7 @@ class SharedMemoryStore(Store):
                 settled.append(None)
         reads = _ArenaReads(arena, pinned, views)
         reads.task = self._spread(
-            len(keys), self._check_chunk, arena, words, reads, layout_word, settled=settled
+            len(keys), nbytes, self._check_chunk, arena, words, reads, layout_word, settled=settled
         )
         return reads
 
@@ -537,8 +552,9 @@ class _ArenaWrites(SlotWrites):
     def commit(self) -> Task:
         self._end()
         settled = _settled(self._reserved)
+        nbytes = max((view.nbytes for view in self.views if view is not None), default=0)
         return self._store._spread(
-            len(self._reserved), self._store._seal_chunk, self._arena, self._words,
+            len(self._reserved), nbytes, self._store._seal_chunk, self._arena, self._words,
             self._reserved, self.views, self._layout_word, settled=settled,
             undo=self._give_back,
         )  # fmt: skip

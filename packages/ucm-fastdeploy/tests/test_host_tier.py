@@ -1,0 +1,145 @@
+"""AttentionStore over the host tier (the dram store of scope host), blocks copied straight
+into and out of the store's memory: no staging row, no copy on the store's threads.
+
+On a GPU that is every call (tests in test_cuda.py); on the CPU it is caches whose blocks
+are not runs of memory (here: token-major blocks seen as FastDeploy's head-major shape) and
+large enough to copy as fast as into rows.  The store's checks stay: a block flipped in
+shared memory stops a read there and is dropped.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from ucm.fastdeploy import AttentionStore
+from ucm.fastdeploy.transfer import Mover
+from ucm.lab.testing.core import flip_shared_block_byte
+
+LAYERS, HEADS, BLOCK, DIM, BLOCKS = 4, 8, 64, 128, 24  # bf16: 1 MiB a block, every layer
+
+
+@pytest.fixture
+def shm_dir():
+    path = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _store(path: Path, heads: int = HEADS, **settings) -> AttentionStore:
+    store = {"kind": "dram", "path": str(path), "capacity_gb": 0.0625}
+    return AttentionStore(
+        layer_num=LAYERS,
+        block_token_size=BLOCK,
+        bytes_per_shard_layer_per_block=heads * BLOCK * DIM * 2,
+        ucm_config={"store": store, **settings},
+        environ={},
+        model_version="test-model",
+    )
+
+
+def _caches(seed: int, heads: int = HEADS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer K and V ``[blocks, heads, block, dim]`` whose memory is token-major
+    (``[blocks, block, heads, dim]``): a block's head is not one run of memory."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def one() -> torch.Tensor:
+        raw = torch.randint(
+            0, 256, (BLOCKS, BLOCK, heads, DIM * 2), dtype=torch.uint8, generator=gen
+        )
+        return raw.view(torch.bfloat16).permute(0, 2, 1, 3)
+
+    return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _tokens(n_blocks: int) -> list[int]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randint(0, 50_000, (n_blocks * BLOCK,), generator=gen).tolist()
+
+
+def _no_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    def staged(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a block went through a staging row")
+
+    monkeypatch.setattr(Mover, "_gather", staged)
+    monkeypatch.setattr(Mover, "_scatter", staged)
+
+
+def test_blocks_move_straight_into_and_out_of_the_host_tier(shm_dir, monkeypatch) -> None:
+    _no_staging(monkeypatch)
+    k, v = _caches(1)
+    n = 14
+    table = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(5))[:n].tolist()
+    tokens = _tokens(n)
+    with _store(shm_dir, slice_write={"slice_blocks": 5}, pipeline_chunk_mb=3) as writer:
+        assert writer.write("w", k, v, tokens, table, 0) == n
+    k2, v2 = _caches(2)
+    before = [_bits(t) for t in k2 + v2]
+    targets = list(range(BLOCKS - 1, BLOCKS - 1 - n, -1))
+    with _store(shm_dir, pipeline_chunk_mb=3) as reader:  # a fresh engine on the same host
+        assert reader.query("r", tokens, 0) == n
+        assert reader.read("r", k2, v2, tokens, targets, 0) == n
+    for src, dst, old in zip(k + v, k2 + v2, before, strict=True):
+        got, want = _bits(dst), _bits(src)
+        for j in range(n):
+            assert torch.equal(got[targets[j]], want[table[j]]), f"block {j}"
+        untouched = sorted(set(range(BLOCKS)) - set(targets))
+        assert torch.equal(got[untouched], old[untouched])
+
+
+def test_a_flipped_block_stops_the_read_there_and_is_dropped(shm_dir, monkeypatch) -> None:
+    _no_staging(monkeypatch)
+    k, v = _caches(3)
+    n = 8
+    tokens = _tokens(n)
+    with _store(shm_dir) as writer:
+        assert writer.write("w", k, v, tokens, list(range(n)), 0) == n
+        flip_shared_block_byte(shm_dir, writer.keyspace.keys(tokens, 0, n)[5], offset=777)
+    k2, v2 = _caches(4)
+    ids = list(range(BLOCKS - n, BLOCKS))
+    with _store(shm_dir) as reader:
+        assert reader.read("r", k2, v2, tokens, ids, 0) == 5
+        assert reader.query("q", tokens, 0) == 5  # the corrupt block is gone
+    for src, dst in zip(k + v, k2 + v2, strict=True):
+        assert torch.equal(_bits(dst)[ids[:5]], _bits(src)[:5])
+
+
+def test_small_blocks_and_zero_copy_off_are_staged(shm_dir, monkeypatch) -> None:
+    """Below 1 MiB a block copies faster into rows than into slots apart; zero_copy false
+    stages everything.  Both store the same bytes."""
+    calls = {"gather": 0, "scatter": 0}
+    gather, scatter = Mover._gather, Mover._scatter
+
+    def counted_gather(self, *args):
+        calls["gather"] += 1
+        return gather(self, *args)
+
+    def counted_scatter(self, *args):
+        calls["scatter"] += 1
+        return scatter(self, *args)
+
+    monkeypatch.setattr(Mover, "_gather", counted_gather)
+    monkeypatch.setattr(Mover, "_scatter", counted_scatter)
+    n = 6
+    tokens = _tokens(n)
+    for heads, settings in ((2, {}), (HEADS, {"zero_copy": False})):
+        calls.update(gather=0, scatter=0)
+        folder = shm_dir / f"h{heads}"
+        k, v = _caches(5, heads)
+        with _store(folder, heads, **settings) as writer:
+            assert writer.write("w", k, v, tokens, list(range(n)), 0) == n
+        k2, v2 = _caches(6, heads)
+        with _store(folder, heads, **settings) as reader:
+            assert reader.read("r", k2, v2, tokens, list(range(n)), 0) == n
+        assert calls["gather"] > 0 and calls["scatter"] > 0, (heads, settings)
+        for src, dst in zip(k + v, k2 + v2, strict=True):
+            assert torch.equal(_bits(dst)[:n], _bits(src)[:n])
