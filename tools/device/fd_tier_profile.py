@@ -47,10 +47,14 @@ def main() -> None:
     args = p.parse_args()
     logging.getLogger("ucm").setLevel(logging.WARNING)
     M = transfer.Mover
-    M._write_tier = _timed("write: open, gather, commit", M._write_tier)  # type: ignore[method-assign]
+    M._start_tier_write = _timed("write: open, start gather", M._start_tier_write)  # type: ignore[method-assign]
+    T = transfer._TierWrite
+    T.commit = _timed("write: copied? commit", T.commit)  # type: ignore[method-assign]
     M._settle = _timed("write: settle (wait for seals)", M._settle)  # type: ignore[method-assign]
     M._load = _timed("read: open_reads or load", M._load)  # type: ignore[method-assign]
-    M._copy_lent = _timed("read: copy lent, release", M._copy_lent)  # type: ignore[method-assign]
+    M._start_copy_lent = _timed("read: start copy", M._start_copy_lent)  # type: ignore[method-assign]
+    L = transfer._LentCopy
+    L.finish = _timed("read: copied? release", L.finish)  # type: ignore[method-assign]
     transfer._wait = _timed("wait for a step", transfer._wait)
     for tokens in args.block_tokens:
         _profile(args, tokens)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ucm.fastdeploy import AttentionStore
+from ucm.core.store import SharedMemoryStore
 from ucm.fastdeploy.transfer import Mover
 from ucm.lab.testing.core import flip_shared_block_byte
 
@@ -106,7 +107,7 @@ def test_a_flipped_block_stops_the_read_there_and_is_dropped(shm_dir, monkeypatc
         flip_shared_block_byte(shm_dir, writer.keyspace.keys(tokens, 0, n)[5], offset=777)
     k2, v2 = _caches(4)
     ids = list(range(BLOCKS - n, BLOCKS))
-    with _store(shm_dir) as reader:
+    with _store(shm_dir, pipeline_chunk_mb=2) as reader:  # steps of 2: the third stops
         assert reader.read("r", k2, v2, tokens, ids, 0) == 5
         assert reader.query("q", tokens, 0) == 5  # the corrupt block is gone
     for src, dst in zip(k + v, k2 + v2, strict=True):
@@ -143,3 +144,43 @@ def test_small_blocks_and_zero_copy_off_are_staged(shm_dir, monkeypatch) -> None
         assert calls["gather"] > 0 and calls["scatter"] > 0, (heads, settings)
         for src, dst in zip(k + v, k2 + v2, strict=True):
             assert torch.equal(_bits(dst)[:n], _bits(src)[:n])
+
+
+def test_a_step_the_store_has_no_room_for_goes_through_rows_in_order(shm_dir, monkeypatch) -> None:
+    """Steps copied into the store's memory and steps through rows mix in one call (the
+    store lent or reserved nothing for one): every block lands, and the stored prefix is
+    counted in order."""
+    calls = {"open_writes": 0, "open_reads": 0, "gather": 0, "scatter": 0}
+
+    def every_third_refused(name: str, real):
+        def call(self, *args, **kwargs):
+            calls[name] += 1
+            return None if calls[name] % 3 == 2 else real(self, *args, **kwargs)
+
+        return call
+
+    def counted(name: str, real):
+        def call(self, *args, **kwargs):
+            calls[name] += 1
+            return real(self, *args, **kwargs)
+
+        return call
+
+    for name in ("open_writes", "open_reads"):
+        real = getattr(SharedMemoryStore, name)
+        monkeypatch.setattr(SharedMemoryStore, name, every_third_refused(name, real))
+    monkeypatch.setattr(Mover, "_gather", counted("gather", Mover._gather))
+    monkeypatch.setattr(Mover, "_scatter", counted("scatter", Mover._scatter))
+    k, v = _caches(7)
+    n = 11
+    tokens = _tokens(n)
+    with _store(shm_dir, pipeline_chunk_mb=2) as writer:  # steps of 2 blocks: 6 steps
+        assert writer.write("w", k, v, tokens, list(range(n)), 0) == n
+    k2, v2 = _caches(8)
+    ids = list(range(BLOCKS - n, BLOCKS))
+    with _store(shm_dir, pipeline_chunk_mb=2) as reader:
+        assert reader.read("r", k2, v2, tokens, ids, 0) == n
+    assert calls["open_writes"] == 6 and calls["gather"] == 2, calls
+    assert calls["open_reads"] == 6 and calls["scatter"] == 2, calls
+    for src, dst in zip(k + v, k2 + v2, strict=True):
+        assert torch.equal(_bits(dst)[ids], _bits(src)[:n])

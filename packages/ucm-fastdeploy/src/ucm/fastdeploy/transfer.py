@@ -44,12 +44,14 @@ import attrs
 import torch
 from ucm.core.store import Status, Store, Task
 from ucm.core.store.reads import SlotReads
+from ucm.core.store.writes import SlotWrites
 from ucm.fastdeploy.tensors import CacheSet
 from ucm.kernels import (
     IN_PLACE_MIN_BYTES,
     BlockSegments,
     HostStager,
     PinnedRegions,
+    TransferHandle,
     block_segments,
 )
 from ucm.kernels.transfer import (
@@ -70,6 +72,57 @@ class _Step:
     task: Task
     buf: list[torch.Tensor] | None  # the staging rows; None in place
     lent: SlotReads | None = None  # a read's blocks the store lends where they lie
+
+
+@attrs.define
+class _TierWrite:
+    """A write step gathered into the store's room, its copy possibly still running: it is
+    committed once the copy is done, while the next step's copy is prepared."""
+
+    offset: int
+    count: int
+    writes: SlotWrites
+    handle: TransferHandle | None  # None: nothing to copy
+
+    def commit(self) -> _Step:
+        # A copy that fails to finish leaves the room reserved, not given back: the copy
+        # may still write it, so nobody else may get it until its lease ends.
+        if self.handle is not None:
+            self.handle.wait()
+        return _Step(self.offset, self.count, self.writes.commit(), None)
+
+    def abort(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+        self.writes.abort()
+
+
+@attrs.define
+class _LentCopy:
+    """A read step's checked blocks being copied out of the store's memory, its copy
+    possibly still running: the blocks are given back once it is done, while the next
+    step's checks are waited for."""
+
+    offset: int
+    count: int  # blocks of the step
+    good: int  # leading blocks checked: those copied, unless the copy was refused
+    lent: SlotReads
+    handle: TransferHandle | None
+    why: str = ""  # why not every block of the step is copied
+
+    def finish(self) -> tuple[int, str]:
+        """Wait for the copy and give every block back.  How many leading blocks were
+        copied while still lent (the cache blocks past them may hold anything), and where
+        and why the step stopped short ("" where it did not)."""
+        try:
+            if self.handle is not None:
+                self.handle.wait()
+        finally:  # every loan ends, whatever happened
+            held = self.lent.release()
+        copied = self.good if self.handle is not None else 0
+        kept = next((i for i in range(copied) if not held[i]), copied)
+        why = "the store took it back before it was copied" if kept < copied else self.why
+        return kept, "" if kept == self.count else f"block {self.offset + kept}: {why}"
 
 
 @attrs.define
@@ -253,45 +306,77 @@ class Mover:
         tier: bool,
     ) -> None:
         """Write in steps, each into the store's memory (``tier``) where it has room, else
-        through staging rows."""
+        through staging rows.  A step copied into the store's memory is committed once the
+        next step's copy is under way: the copies run back to back."""
         n = len(keys)
         step = self._step_blocks(cs)
         pin = cs.device.type == "cuda"
-        for off in range(0, n, step):
-            # Bound the staging memory: wait for the oldest step before gathering another.
-            while sum(not s.task.done() for s in steps) >= self.depth:
-                oldest = next(s for s in steps if not s.task.done())
-                if not _wait(oldest.task, deadline):
+        copying: _TierWrite | None = None
+        try:
+            for off in range(0, n, step):
+                # Bound the staging memory: wait for the oldest step before gathering another.
+                while sum(not s.task.done() for s in steps) >= self.depth:
+                    oldest = next(s for s in steps if not s.task.done())
+                    if not _wait(oldest.task, deadline):
+                        break
+                if time.monotonic() >= deadline or any(
+                    s.task.done() and verified_prefix(s.task.partial()) < s.count for s in steps
+                ):
                     break
-            if time.monotonic() >= deadline or any(
-                s.task.done() and verified_prefix(s.task.partial()) < s.count for s in steps
-            ):
-                return
-            count = min(step, n - off)
-            ids, ks = block_ids[off : off + count], keys[off : off + count]
-            written = self._write_tier(cs, ids, ks, tag) if tier else None
-            if written is not None:
-                steps.append(_Step(off, count, written, None))
-                continue
-            buf = ahead.take(ids) if ahead is not None else None
-            try:
-                if buf is None:
-                    buf = self.pool.take(cs.nbytes, count, pin=pin)
-                    self._gather(cs, ids, buf)
-                task = self.store.dump(ks, row_buffers(buf), tag)
-            except Exception:
-                if buf is not None:
-                    self.pool.give(buf)
-                raise
-            task.add_done_callback(lambda _t, b=buf: self.pool.give(b))
-            steps.append(_Step(off, count, task, buf))
+                count = min(step, n - off)
+                ids, ks = block_ids[off : off + count], keys[off : off + count]
+                started = self._start_tier_write(cs, off, ids, ks, tag) if tier else None
+                if copying is not None:  # in order: before this step, staged or not
+                    done, copying = copying, None
+                    steps.append(done.commit())
+                if started is not None:
+                    copying = started
+                    continue
+                self._write_step(cs, off, ids, ks, tag, steps, ahead, pin)
+            if copying is not None:
+                done, copying = copying, None
+                steps.append(done.commit())
+        finally:
+            if copying is not None:  # something failed meanwhile: its room goes back
+                copying.abort()
 
-    def _write_tier(
-        self, cs: CacheSet, block_ids: Sequence[int], keys: Sequence[bytes], tag: bytes
-    ) -> Task | None:
-        """Gather the blocks straight into room the store reserves in its memory and commit
-        them (the store seals and publishes them on its threads); None where it has no room
-        for them: stage them."""
+    def _write_step(
+        self,
+        cs: CacheSet,
+        off: int,
+        ids: Sequence[int],
+        ks: Sequence[bytes],
+        tag: bytes,
+        steps: deque[_Step],
+        ahead: Ahead | None,
+        pin: bool,
+    ) -> None:
+        """One step through staging rows."""
+        count = len(ids)
+        buf = ahead.take(ids) if ahead is not None else None
+        try:
+            if buf is None:
+                buf = self.pool.take(cs.nbytes, count, pin=pin)
+                self._gather(cs, ids, buf)
+            task = self.store.dump(ks, row_buffers(buf), tag)
+        except Exception:
+            if buf is not None:
+                self.pool.give(buf)
+            raise
+        task.add_done_callback(lambda _t, b=buf: self.pool.give(b))
+        steps.append(_Step(off, count, task, buf))
+
+    def _start_tier_write(
+        self,
+        cs: CacheSet,
+        offset: int,
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        tag: bytes,
+    ) -> _TierWrite | None:
+        """Start gathering the blocks straight into room the store reserves in its memory
+        (committed once copied: the store seals and publishes them on its threads); None
+        where it has no room for them: stage them."""
         try:
             writes = self.store.open_writes(keys, cs.nbytes, tag)
         except Exception as exc:  # noqa: BLE001 - the staged dump that follows reports it
@@ -300,12 +385,13 @@ class Mover:
         if writes is None:
             return None
         at = [j for j, view in enumerate(writes.views) if view is not None]
+        handle = None
         try:
             if at:
                 rows = self.pinned.rows([writes.views[j] for j in at])  # type: ignore[misc]
-                self._stager(cs.device).dump(
+                handle = self._stager(cs.device).dump(
                     cs.caches, [block_ids[j] for j in at], rows, scales=cs.scales
-                ).wait()
+                )
         except ValueError as exc:  # the copy refused the room (a GPU: not pinned after all)
             writes.abort()
             self._refuse("into", exc)
@@ -313,7 +399,7 @@ class Mover:
         except BaseException:
             writes.abort()
             raise
-        return writes.commit()
+        return _TierWrite(offset, len(keys), writes, handle)
 
     def _gather_ahead(
         self,
@@ -413,6 +499,7 @@ class Mover:
         tier = False
         pending: deque[_Step] = deque()
         late: list[_Step] = []  # steps left behind still loading
+        copying: _LentCopy | None = None  # the last lent step, its copy possibly running
         submitted = 0
         filled = 0
         problem = ""
@@ -431,16 +518,24 @@ class Mover:
                 if not pending:
                     break
                 s = pending.popleft()
-                finished = _wait(s.task, deadline)
+                finished = _wait(s.task, deadline)  # the last lent step's copy runs meanwhile
+                if copying is not None:  # in order: before this step, lent or not
+                    done, copying = copying, None
+                    copied, problem = done.finish()
+                    filled += copied
+                    if problem:
+                        pending.appendleft(s)  # not used: stopped below
+                        break
                 results = s.task.partial()
                 good = verified_prefix(results)
-                if s.lent is not None:  # copied out, given back: nothing left to stop
-                    ids = block_ids[s.offset : s.offset + good]
+                if s.lent is not None:  # copied out, then given back
                     lent, s.lent = s.lent, None
-                    copied, why = self._copy_lent(cs, ids, lent)
-                    filled += copied
-                    if copied < s.count:
-                        problem = f"block {s.offset + copied}: {why or first_problem(results)}"
+                    copying = self._start_copy_lent(cs, block_ids, s, good, lent)
+                    if good < s.count:  # the read stops here: no next copy to overlap
+                        copying.why = copying.why or first_problem(results)
+                        done, copying = copying, None
+                        copied, problem = done.finish()
+                        filled += copied
                         break
                     continue
                 if not finished:
@@ -453,9 +548,15 @@ class Mover:
                 if good < s.count:
                     problem = f"block {s.offset + good}: {first_problem(results)}"
                     break
+            if copying is not None:
+                done, copying = copying, None
+                copied, problem = done.finish()
+                filled += copied
         except Exception as exc:  # noqa: BLE001 - a failing store is a shorter hit
             problem = f"failed: {exc}"
         finally:
+            if copying is not None:  # something failed meanwhile: not counted
+                copying.finish()
             late += pending
             for s in late:
                 if s.lent is not None:  # not copied: given back (checks in progress end)
@@ -512,26 +613,24 @@ class Mover:
             raise
         return _Step(offset, count, task, buf)
 
-    def _copy_lent(
-        self, cs: CacheSet, block_ids: Sequence[int], lent: SlotReads
-    ) -> tuple[int, str]:
-        """Scatter the first ``len(block_ids)`` lent blocks, checked, into ``block_ids``
-        and give every block back.  How many leading ones were copied while still lent (the
-        cache blocks past them may hold anything), and why not more ("" where all were)."""
-        copied, why = len(block_ids), ""
+    def _start_copy_lent(
+        self, cs: CacheSet, block_ids: Sequence[int], s: _Step, good: int, lent: SlotReads
+    ) -> _LentCopy:
+        """Start scattering step ``s``'s ``good`` leading lent blocks, checked, into their
+        cache blocks (given back once copied: :meth:`_LentCopy.finish`)."""
+        copy = _LentCopy(s.offset, s.count, good, lent, None)
         try:
-            if block_ids:
-                rows = self.pinned.rows(lent.views[:copied])  # type: ignore[arg-type]
-                self._stager(cs.device).load(cs.caches, block_ids, rows, scales=cs.scales).wait()
+            if good:
+                ids = block_ids[s.offset : s.offset + good]
+                rows = self.pinned.rows(lent.views[:good])  # type: ignore[arg-type]
+                copy.handle = self._stager(cs.device).load(cs.caches, ids, rows, scales=cs.scales)
         except ValueError as exc:  # the copy refused the store's memory (a GPU: not pinned)
             self._refuse("out of", exc)
-            copied, why = 0, f"cannot copy out of the store's memory: {exc}"
-        finally:  # every loan ends, whatever happened
-            held = lent.release()
-        kept = next((i for i in range(copied) if not held[i]), copied)
-        if kept < copied:
-            why = "the store took it back before it was copied"
-        return kept, why
+            copy.why = f"cannot copy out of the store's memory: {exc}"
+        except BaseException:
+            lent.release()
+            raise
+        return copy
 
 
 def _warn_late(late: Sequence[_Step], label: str) -> None:
