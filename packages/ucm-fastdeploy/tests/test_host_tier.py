@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ucm.fastdeploy import AttentionStore
 from ucm.core.store import SharedMemoryStore
+from ucm.fastdeploy import AttentionStore
 from ucm.fastdeploy.transfer import Mover
 from ucm.lab.testing.core import flip_shared_block_byte
 
