@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 import attrs
 from ucm.core.keys import KEY_BYTES
 from ucm.core.store.evictions import EvictionWatch
-from ucm.core.store.payload import Payload, as_payload
+from ucm.core.store.payload import Payload, as_payload, quick_payload
 from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import KeyResult, Task
 from ucm.core.store.writes import SlotWrites
@@ -49,7 +49,13 @@ def check_batch(
     if len(keys) != len(buffers):
         raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
     check_keys(keys)
-    return [as_payload(b, writable=writable, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+    payloads = [quick_payload(b, writable) for b in buffers]
+    if None in payloads:  # the rest, checked one by one, named in what they refuse
+        payloads = [
+            p or as_payload(b, writable=writable, what=f"buffers[{i}]")
+            for i, (p, b) in enumerate(zip(payloads, buffers))
+        ]
+    return payloads  # type: ignore[return-value]
 
 
 class Store(abc.ABC):

@@ -4,6 +4,7 @@ concatenation is the block (a scatter-gather list), checked before any I/O start
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -90,16 +91,39 @@ def fill_parts(parts: Sequence[memoryview], src: memoryview) -> None:
         at += part.nbytes
 
 
+def quick_payload(buffer: object, writable: bool) -> Payload | None:
+    """A single buffer that needs no checks spelled out, as a :class:`Payload`; None for
+    anything else (lists, payloads, and what :func:`as_payload` refuses, with its reason).
+    Made for every key of every batch on the caller's thread: a few attribute reads, no
+    name formatted for an error that does not happen."""
+    kind = type(buffer)
+    if kind is memoryview:
+        if _flat_bytes(buffer, writable):
+            return Payload.one(buffer)  # type: ignore[arg-type]
+        view: memoryview = buffer  # type: ignore[assignment]
+    elif kind is np.ndarray:  # host rows (torch's .numpy()) and numpy buffers
+        flags = buffer.flags  # type: ignore[attr-defined]
+        if not (flags.c_contiguous and (flags.writeable or not writable)):
+            return None
+        view = memoryview(buffer)  # type: ignore[arg-type]
+    elif kind in _BUFFERS:  # mmap, bytearray, bytes: flat bytes already
+        view = memoryview(buffer)  # type: ignore[arg-type]
+    else:
+        return None
+    if not view.c_contiguous or (writable and view.readonly):
+        return None
+    return Payload.one(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+
+
+#: buffer types whose memoryview is flat bytes, C-contiguous
+_BUFFERS = frozenset({mmap.mmap, bytearray, bytes})
+
+
 def as_payload(buffer: object, *, writable: bool, what: str) -> Payload:
     """A buffer, or a list or tuple of buffers, as a :class:`Payload` (checked)."""
-    kind = type(buffer)
-    if kind is np.ndarray:  # host rows (torch's .numpy()) and numpy buffers
-        flags = buffer.flags  # type: ignore[attr-defined]
-        if flags.c_contiguous and (flags.writeable or not writable):
-            view = memoryview(buffer)  # type: ignore[arg-type]
-            return Payload.one(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
-    elif kind is memoryview and _flat_bytes(buffer, writable):
-        return Payload.one(buffer)  # type: ignore[arg-type]
+    quick = quick_payload(buffer, writable)
+    if quick is not None:
+        return quick
     if isinstance(buffer, Payload):
         return buffer
     if isinstance(buffer, (list, tuple)):
