@@ -53,6 +53,7 @@ from ucm.kernels import (
     PinnedRegions,
     TransferHandle,
     block_segments,
+    dump_into,
 )
 from ucm.kernels.transfer import (
     RowPool,
@@ -384,21 +385,12 @@ class Mover:
             return None
         if writes is None:
             return None
-        at = [j for j, view in enumerate(writes.views) if view is not None]
-        handle = None
+        stager = self._stager(cs.device)
         try:
-            if at:
-                rows = self.pinned.rows([writes.views[j] for j in at])  # type: ignore[misc]
-                handle = self._stager(cs.device).dump(
-                    cs.caches, [block_ids[j] for j in at], rows, scales=cs.scales
-                )
+            handle = dump_into(stager, self.pinned, cs.caches, block_ids, writes, scales=cs.scales)
         except ValueError as exc:  # the copy refused the room (a GPU: not pinned after all)
-            writes.abort()
             self._refuse("into", exc)
             return None
-        except BaseException:
-            writes.abort()
-            raise
         return _TierWrite(offset, len(keys), writes, handle)
 
     def _gather_ahead(

@@ -21,7 +21,7 @@ from ucm.kernels.api import (
     triton_available,
 )
 from ucm.kernels.layouts import logical_view
-from ucm.kernels.pinning import PinnedRegions
+from ucm.kernels.pinning import PinnedRegions, dump_into
 from ucm.kernels.reference import gather_reference, scatter_reference
 from ucm.kernels.segments import BlockSegments, block_segments
 from ucm.kernels.spec import SUPPORTED_DTYPES, CacheSpec, PayloadLayout, make_layout
@@ -43,6 +43,7 @@ __all__ = [
     "block_segments",
     "build_plan",
     "describe_caches",
+    "dump_into",
     "execute",
     "gather",
     "gather_reference",

@@ -22,9 +22,16 @@ a 256 KiB block takes to cross the link.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from ucm.core.store.payload import address_of
+
+if TYPE_CHECKING:
+    from ucm.core.store.writes import SlotWrites
+
+    from ucm.kernels.staging import HostStager, TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +119,28 @@ class PinnedRegions:
                 torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
             except (RuntimeError, torch.cuda.CudaError) as exc:
                 log.warning("ucm: cannot unregister host memory from the GPU driver: %s", exc)
+
+
+def dump_into(
+    stager: HostStager,
+    pinned: PinnedRegions,
+    caches: Sequence[torch.Tensor],
+    block_ids: Sequence[Any],
+    writes: SlotWrites,
+    **options: Any,
+) -> TransferHandle | None:
+    """Start gathering ``block_ids[i]`` of ``caches`` into the room a store reserved for
+    key ``i`` (``writes.views[i]``; a key without a view has nothing to write); the copy's
+    handle, None where there is nothing to copy.  ``options`` go to
+    :meth:`HostStager.dump`.  Where the copy cannot start, the room goes back
+    (``writes.abort()``) and the exception propagates: ``ValueError`` where the copy refused
+    the store's memory (on a GPU: not registered after all)."""
+    at = [i for i, view in enumerate(writes.views) if view is not None]
+    if not at:
+        return None
+    try:
+        rows = pinned.rows([writes.views[i] for i in at])  # type: ignore[misc]
+        return stager.dump(caches, [block_ids[i] for i in at], rows, **options)
+    except BaseException:
+        writes.abort()
+        raise

@@ -57,6 +57,7 @@ from ucm.kernels import (
     HostStager,
     PinnedRegions,
     block_segments,
+    dump_into,
     payload_nbytes,
 )
 from ucm.kernels.transfer import RowPool, deferred_payloads, row_buffers, verified_prefix
@@ -546,22 +547,18 @@ class WorkerSide:
     def _gather_into(self, writes: SlotWrites, group: int, items: list[Item]) -> bool:
         """Gather the blocks straight into the store's room (one copy, no host row); False
         (the room given back) where the copy refused it: they go through rows."""
-        at = [p for p, view in enumerate(writes.views) if view is not None]
+        ids = [it.block_ids for it in items]
         try:
-            if at:
-                self.stager.dump(
-                    self.caches[group],
-                    [items[p].block_ids for p in at],
-                    self.pinned.rows([writes.views[p] for p in at]),  # type: ignore[misc]
-                    null_block_id=NULL_BLOCK,
-                ).wait()
+            handle = dump_into(
+                self.stager, self.pinned, self.caches[group], ids, writes, null_block_id=NULL_BLOCK
+            )
         except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)
-            writes.abort()
             log.warning("ucm: cannot copy into the store's memory (%s): using rows", exc)
             return False
-        except BaseException:
-            writes.abort()
-            raise
+        if handle is not None:
+            # a copy that fails to end leaves the room reserved until its lease ends: it
+            # may still be written
+            handle.wait()
         return True
 
     def take_reports(self) -> list[Report]:
