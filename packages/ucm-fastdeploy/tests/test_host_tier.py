@@ -10,12 +10,14 @@ shared memory stops a read there and is dropped.
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from ucm.core.store import SharedMemoryStore
+from ucm.core.store.dram.arena import WRITING
 from ucm.fastdeploy import AttentionStore
 from ucm.fastdeploy.transfer import Mover
 from ucm.lab.testing.core import flip_shared_block_byte
@@ -184,3 +186,62 @@ def test_a_step_the_store_has_no_room_for_goes_through_rows_in_order(shm_dir, mo
     assert calls["open_reads"] == 6 and calls["scatter"] == 2, calls
     for src, dst in zip(k + v, k2 + v2, strict=True):
         assert torch.equal(_bits(dst)[ids], _bits(src)[:n])
+
+
+def _eventually(condition, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _slowed(monkeypatch: pytest.MonkeyPatch, name: str, seconds: float) -> None:
+    """Make the store's threads take ``seconds`` a chunk for ``name`` (seals or checks)."""
+    real = getattr(SharedMemoryStore, name)
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SharedMemoryStore, name, slow)
+
+
+def test_a_write_into_the_tier_cut_by_its_deadline_leaves_exactly_its_prefix(
+    shm_dir, monkeypatch
+) -> None:
+    _slowed(monkeypatch, "_seal_chunk", 0.25)  # a chunk a step of 2 blocks: 0.75 s on 2 threads
+    k, v = _caches(9)
+    n = 12
+    tokens = _tokens(n)
+    with _store(shm_dir, pipeline_chunk_mb=2, cancel_grace_s=1.0) as writer:
+        written = writer.write("w", k, v, tokens, list(range(n)), 0, timeout=0.6)
+        assert 0 < written < n, written
+        arena = writer.store._attached()
+        # once the seals cancelled in flight have ended: no slot left reserved
+        assert _eventually(lambda: int((arena.np["state"] == WRITING).sum()) == 0)
+        assert writer.query("q", tokens, 0) == written
+        assert writer.store.usage().blocks == written  # nothing past the prefix
+
+
+def test_a_read_out_of_the_tier_cut_by_its_deadline_gives_every_block_back(
+    shm_dir, monkeypatch
+) -> None:
+    k, v = _caches(10)
+    n = 12
+    tokens = _tokens(n)
+    with _store(shm_dir) as writer:
+        assert writer.write("w", k, v, tokens, list(range(n)), 0) == n
+    _slowed(monkeypatch, "_check_chunk", 0.15)
+    k2, v2 = _caches(11)
+    ids = list(range(BLOCKS - n, BLOCKS))
+    with _store(shm_dir, pipeline_chunk_mb=2, cancel_grace_s=1.0) as reader:
+        filled = reader.read("r", k2, v2, tokens, ids, 0, timeout=0.4)
+        assert filled < n, filled
+        for src, dst in zip(k + v, k2 + v2, strict=True):
+            assert torch.equal(_bits(dst)[ids[:filled]], _bits(src)[:filled])
+        arena = reader.store._attached()
+        # once the checks in progress when the loans ended have finished: no pin left
+        assert _eventually(lambda: int(arena.np["pins"].sum()) == 0)
+        assert reader.query("q", tokens, 0) == n  # cut short, nothing dropped
