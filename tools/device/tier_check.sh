@@ -48,7 +48,7 @@ PY
 timeout 240 python3 -c "import sys; sys.modules['vllm'] = None; import pytest; sys.exit(pytest.main(['packages/ucm-vllm/tests/test_worker.py', 'packages/ucm-kernels/tests/test_staging.py', '-q', '-p', 'no:cacheprovider', '--import-mode=importlib', '-k', 'cuda']))" 2>&1 | tee "$OUT/pytest.txt" | tail -25
 # FastDeploy's AttentionStore on CUDA caches (torch tensors stand in for paddle's, which
 # reach the kernels as torch views through DLPack): the staged path and the host tier's
-timeout 180 python3 -c "import sys, pytest; sys.exit(pytest.main(['packages/ucm-fastdeploy/tests/test_cuda.py', '-q', '-p', 'no:cacheprovider', '--import-mode=importlib', '--noconftest']))" 2>&1 | tee "$OUT/pytest_fastdeploy.txt" | tail -25
+timeout 180 python3 -c "import sys, pytest; sys.exit(pytest.main(['packages/ucm-fastdeploy/tests/test_cuda.py', '-q', '-p', 'no:cacheprovider', '--import-mode=importlib', '--noconftest', '-p', 'ucm.lab.pytest_plugin']))" 2>&1 | tee "$OUT/pytest_fastdeploy.txt" | tail -25
 timeout 200 python3 -m ucm.lab.fastdeploy.bench_tier --repeat "${FD_REPEAT:-5}" --json 2>&1 | tee "$OUT/bench_fastdeploy_tier.txt" | grep -v '^{'
 for run in $(seq 1 "${TIER_RUNS:-2}"); do
   timeout 200 python3 -m ucm.lab.kernels.bench_tier --json 2>&1 | tee "$OUT/bench_tier$run.txt" | grep -v '^{'

@@ -3,7 +3,8 @@ kernels on a side stream).  Skipped without a GPU.
 
 FastDeploy's paddle GPU tensors reach the kernels as torch CUDA views through DLPack, so
 these tests hand torch CUDA tensors directly: they need neither paddle nor this folder's
-conftest (``pytest --noconftest`` runs them where paddle is not installed).
+conftest (``pytest --noconftest`` runs them where paddle is not installed; ``shm_dir`` comes
+from ucm.lab's pytest plugin: ``-p ucm.lab.pytest_plugin`` where ucm-lab is not installed).
 """
 
 from __future__ import annotations
@@ -138,17 +139,6 @@ def test_write_sees_the_kernels_queued_before_it(tmp_path) -> None:
     assert _store(str(tmp_path)).read("r", k2, v2, tokens, list(range(n)), 0) == n
     for src, dst in zip(new_k + new_v, k2 + v2, strict=True):
         assert torch.equal(_bits(dst)[:n], _bits(src)[:n])
-
-
-@pytest.fixture
-def shm_dir():
-    import shutil
-    import uuid
-    from pathlib import Path
-
-    path = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _tier(path, **settings) -> AttentionStore:

@@ -9,9 +9,7 @@ shared memory stops a read there and is dropped.
 
 from __future__ import annotations
 
-import shutil
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -23,15 +21,6 @@ from ucm.fastdeploy.transfer import Mover
 from ucm.lab.testing.core import flip_shared_block_byte
 
 LAYERS, HEADS, BLOCK, DIM, BLOCKS = 4, 8, 64, 128, 24  # bf16: 1 MiB a block, every layer
-
-
-@pytest.fixture
-def shm_dir():
-    path = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _store(path: Path, heads: int = HEADS, **settings) -> AttentionStore:

@@ -7,8 +7,6 @@ CPU's numerics move with the shape of the batch, connector or not.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from ucm.lab.testing.core import flip_shared_bytes
 from ucm.lab.testing.vllm.engine import (
@@ -97,23 +95,13 @@ def test_preemption_with_small_kv_space(tiny_model, tmp_path):
     assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
 
 
-@pytest.fixture
-def shm_dir():
-    import shutil
-    import uuid
-
-    path = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
-    yield str(path)
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def test_dram_store_is_shared_by_the_scheduler_the_workers_and_the_next_engine(
     tiny_model, prompts, shm_dir
 ):
     # vLLM looks blocks up in its scheduler process and moves them in its worker processes:
     # the default dram store (shared memory) must hit in the same engine and in the next one.
     # (vLLM's default processes: the scheduler's store and the workers' are not one object)
-    store = {"kind": "dram", "path": shm_dir, "capacity_gb": 0.03125}
+    store = {"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125}
     first = run_engine(
         {"model": tiny_model, "prompts": [*prompts, prompts[0]], "store": store,
          "fresh_prefix_cache": True, "processes": "split"}
@@ -136,7 +124,7 @@ def test_loads_straight_into_the_cache_match_and_a_corrupt_block_is_recomputed(
     # A dram store with one engine block per stored block: sync loads read into vLLM's CPU
     # cache itself.  A block that fails its checksum has already written the engine block:
     # vLLM must recompute it and everything after it, and the outputs stay the reference's.
-    store = {"kind": "dram", "path": shm_dir, "capacity_gb": 0.03125}
+    store = {"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125}
     spec = {"model": tiny_model, "prompts": prompts, "store": store, "extra": {"block_tokens": 32}}
     assert_same_outputs(reference, run_engine(spec))
     warm = run_engine(spec)

@@ -203,18 +203,8 @@ class Mover:
             regions = self.store.host_memory()
             if not regions:
                 return False
-            started = time.perf_counter()
-            if all(self.pinned.register(region) for region in regions):
-                log.info(
-                    "ucm fastdeploy: %.1f GiB of the store's host memory registered with the "
-                    "GPU driver in %.2f s: blocks are copied straight into and out of it",
-                    sum(r.nbytes for r in regions) / 2**30,
-                    time.perf_counter() - started,
-                )
-            else:
-                self.pinned.close()
-                self._refused = True
-            return bool(self.pinned)
+            self._refused = not self.pinned.register_all(regions)
+            return not self._refused
 
     def _refuse(self, what: str, exc: Exception) -> None:
         log.warning("ucm fastdeploy: cannot copy %s the store's memory (%s): staging instead",
@@ -287,7 +277,7 @@ class Mover:
                     steps.append(_Step(off, count, task, None))
             else:
                 tier = self._tier(cs)
-                self._write_staged(cs, block_ids, keys, deadline, tag, steps, ahead, tier)
+                self._write_steps(cs, block_ids, keys, deadline, tag, steps, ahead, tier)
                 if ahead is not None and not tier:
                     self._gather_ahead(cs, steps, next_ids, ahead, deadline)
         except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
@@ -295,7 +285,7 @@ class Mover:
                         sum(s.count for s in steps), exc)  # fmt: skip
         return self._settle(steps, keys, deadline, grace_s, label)
 
-    def _write_staged(
+    def _write_steps(
         self,
         cs: CacheSet,
         block_ids: Sequence[int],
@@ -495,6 +485,16 @@ class Mover:
         submitted = 0
         filled = 0
         problem = ""
+
+        def finish_copy() -> str:
+            """End the lent step's copy and count it; where it stopped short, and why."""
+            nonlocal copying, filled
+            assert copying is not None
+            done, copying = copying, None
+            copied, short = done.finish()
+            filled += copied
+            return short
+
         try:
             segments = self._in_place(cs, block_ids)
             depth = self.depth
@@ -512,9 +512,7 @@ class Mover:
                 s = pending.popleft()
                 finished = _wait(s.task, deadline)  # the last lent step's copy runs meanwhile
                 if copying is not None:  # in order: before this step, lent or not
-                    done, copying = copying, None
-                    copied, problem = done.finish()
-                    filled += copied
+                    problem = finish_copy()
                     if problem:
                         pending.appendleft(s)  # not used: stopped below
                         break
@@ -525,9 +523,7 @@ class Mover:
                     copying = self._start_copy_lent(cs, block_ids, s, good, lent)
                     if good < s.count:  # the read stops here: no next copy to overlap
                         copying.why = copying.why or first_problem(results)
-                        done, copying = copying, None
-                        copied, problem = done.finish()
-                        filled += copied
+                        problem = finish_copy()
                         break
                     continue
                 if not finished:
@@ -541,9 +537,7 @@ class Mover:
                     problem = f"block {s.offset + good}: {first_problem(results)}"
                     break
             if copying is not None:
-                done, copying = copying, None
-                copied, problem = done.finish()
-                filled += copied
+                problem = finish_copy()
         except Exception as exc:  # noqa: BLE001 - a failing store is a shorter hit
             problem = f"failed: {exc}"
         finally:

@@ -1,6 +1,6 @@
 """The pytest plugin every package's tests share (loaded through the ``pytest11`` entry
-point wherever ucm-lab is installed): the markers and the fixtures that start something
-outside the test process.
+point wherever ucm-lab is installed): the markers, the fixtures that start something
+outside the test process, and ``shm_dir`` (a fresh folder in /dev/shm).
 
 Markers (``-m "not engine"`` and so on; the quick tier deselects the first three):
 
@@ -25,7 +25,10 @@ end.
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,6 +111,20 @@ def require_etcd() -> None:
         if os.environ.get("UCM_REQUIRE_MOONCAKE") == "1":
             pytest.fail(str(exc))
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh folder in /dev/shm (a host-scope dram store's medium), removed afterwards;
+    skips where the host has no shared-memory filesystem."""
+    from ucm.core.store.dram.shared import MEMORY_FILESYSTEMS, mount_of
+
+    found = mount_of("/dev/shm") if Path("/dev/shm").is_dir() else None
+    if found is None or found[1] not in MEMORY_FILESYSTEMS:
+        pytest.skip("no memory filesystem at /dev/shm")
+    path = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -179,16 +179,8 @@ class WorkerSide:
         assert self.stores is not None
         stores = {id(s): s for s in (self.stores.full, self.stores.window) if s is not None}
         regions = [region for store in stores.values() for region in store.host_memory()]
-        started = time.perf_counter()
-        if regions and not all(self.pinned.register(region) for region in regions):
-            self.pinned.close()
-        if self.pinned:
-            log.info(
-                "ucm: %.1f GiB of the store's host memory registered with the GPU driver in "
-                "%.2f s: blocks are copied straight into and out of it",
-                sum(r.nbytes for r in regions) / 2**30,
-                time.perf_counter() - started,
-            )
+        if regions:
+            self.pinned.register_all(regions)
 
     def _row_bytes(self, group: int, blocks: int) -> int:
         size = self._nbytes.get((group, blocks))
