@@ -13,6 +13,10 @@ def key(i: int) -> bytes:
     return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
 
 
+def block_path(store: PosixStore, name: str) -> str:
+    return os.path.join(store.root, "blocks", name[:2], name)
+
+
 def payload(i: int, size: int) -> bytes:
     return (key(i) * (size // 16 + 1))[:size]
 
@@ -60,7 +64,7 @@ def test_layout_mismatch_is_never_handed_back(store):
 def test_corrupt_block_leaves_usage_right(tmp_path):
     s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
     s.wait(s.dump([key(1), key(2)], [payload(1, 100), payload(2, 100)]))
-    path = s._path(key(1).hex())
+    path = block_path(s, key(1).hex())
     with open(path, "r+b") as f:
         f.seek(4096 + 50)
         f.write(b"!")
@@ -72,7 +76,7 @@ def test_corrupt_block_leaves_usage_right(tmp_path):
 
 def test_dump_of_stored_key_keeps_the_file(store):
     store.wait(store.dump([key(1)], [payload(1, 100)]))
-    path = store._path(key(1).hex())
+    path = block_path(store, key(1).hex())
     inode = os.stat(path).st_ino
     assert store.wait(store.dump([key(1)], [payload(1, 100)]))[0].ok
     assert os.stat(path).st_ino == inode
@@ -81,7 +85,7 @@ def test_dump_of_stored_key_keeps_the_file(store):
 def test_permissions(tmp_path):
     s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), fsync="full"))
     s.wait(s.dump([key(1)], [b"x" * 10]))
-    path = s._path(key(1).hex())
+    path = block_path(s, key(1).hex())
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(tmp_path / "p").st_mode) == 0o700

@@ -839,3 +839,123 @@ def test_a_dead_writer_in_another_pid_namespace_leaves_no_temporary_file_for_goo
     assert len(temps) == 1 and "~1~" in temps[0].name  # pid 1: alive, judged by the pid
     PosixStore(PosixStoreConfig(path=str(root))).close()  # its first scan runs to the end
     assert list((root / "blocks").rglob(".*.tmp")) == []
+
+
+@needs_root
+def test_a_link_planted_at_the_secret_path_by_another_user_is_refused(base):
+    # The victim's own 0600 file with bytes an attacker can predict (here: a marker of its
+    # store), reached through a link the attacker planted where the secret file goes, in a
+    # folder every user can write (sticky, as /tmp): the attacker would know the secret.
+    predictable = base / "victim-marker"
+    predictable.write_text("x" * 40)
+    os.chmod(predictable, 0o600)
+    drop = base / "drop"
+    drop.mkdir()
+    os.chmod(drop, 0o1777)
+    planted = drop / "secret"
+    planted.symlink_to(predictable)
+    os.lchown(planted, ATTACKER, ATTACKER)
+    with pytest.raises(ConfigError, match=f"the secret file passes the link {planted}"):
+        PosixStore(PosixStoreConfig(path=str(base / "store"), secret=f"file:{planted}"))
+    assert not (base / "store").exists()
+
+
+@needs_root
+def test_a_secret_file_in_a_folder_others_can_change_is_refused(base):
+    open_folder = base / "open"
+    open_folder.mkdir()
+    os.chmod(open_folder, 0o777)  # no sticky bit: anyone can swap the file for theirs
+    secret_file = open_folder / "secret"
+    secret_file.write_text(SECRET)
+    os.chmod(secret_file, 0o600)
+    with pytest.raises(ConfigError, match="the secret file lies in .* Move it to a folder"):
+        PosixStore(PosixStoreConfig(path=str(base / "store"), secret=f"file:{secret_file}"))
+
+
+def test_a_secret_file_reached_through_ones_own_links_is_accepted(base):
+    # as Kubernetes mounts a secret: key -> ..data/key, ..data -> a dated folder
+    dated = base / "secrets" / "..2026_11_27"
+    dated.mkdir(parents=True)
+    (dated / "key").write_text(SECRET)
+    os.chmod(dated / "key", 0o600)
+    (base / "secrets" / "..data").symlink_to(dated.name)
+    (base / "secrets" / "key").symlink_to("..data/key")
+    store = PosixStore(
+        PosixStoreConfig(path=str(base / "store"), secret=f"file:{base / 'secrets' / 'key'}")
+    )
+    store.close()
+
+
+@needs_root
+def test_links_planted_for_the_block_folders_of_a_shared_store_redirect_no_write(
+    secrets_env, shared_folder, base
+):
+    # Another user who can write a shared store's folder replaces blocks/<xx> with links to
+    # a folder of the victim's: the victim's dumps must not follow them (each would write
+    # a file there, outside the store's capacity, wherever the attacker points).
+    store = signed_store(shared_folder / "store")
+    store.close()
+    blocks = shared_folder / "store" / "blocks"
+    os.chmod(blocks, 0o777)  # a team's mount, writable by everyone
+    decoy = base / "victims-folder"
+    decoy.mkdir()
+    for sub in (f"{i:02x}" for i in range(256)):
+        os.makedirs(decoy / sub, exist_ok=True)
+        if (blocks / sub).exists():
+            shutil.rmtree(blocks / sub)
+        (blocks / sub).symlink_to(decoy / sub)
+        os.lchown(blocks / sub, ATTACKER, ATTACKER)
+    store = signed_store(shared_folder / "store")
+    try:
+        keys = [key_of(i) for i in range(16)]
+        results = store.wait(store.dump(keys, [payload(i) for i in range(16)]), 30)
+        assert all(r.status is Status.ERROR for r in results), results
+        assert "is not a folder of the store" in results[0].detail
+        loaded = store.wait(store.load(keys[:1], [bytearray(4096)]), 30)
+        assert not loaded[0].ok
+    finally:
+        store.close()
+    assert [p for p in decoy.rglob("*") if p.is_file()] == []
+
+
+def test_a_process_holding_a_shared_stores_count_costs_a_dump_one_wait(
+    shared_folder, secrets_env, monkeypatch
+):
+    # A process (of another user who can write the shared folder, or a stopped one of ours)
+    # holds the store's usage lock: a dump of 8 keys fails after one wait, not one per key
+    # in turn (the threads used to queue behind the one waiting); a new store still starts.
+    from ucm.core.store.posix import usage as usage_module
+
+    monkeypatch.setattr(usage_module, "LOCK_WAIT_S", 1.0)
+    signed_store(shared_folder / "store").close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('holding', flush=True)\n"
+         "time.sleep(600)\n",
+         str(shared_folder / "store" / "usage")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        store = signed_store(shared_folder / "store")  # starts: no OSError of errno None
+        try:
+            keys = [key_of(100 + i) for i in range(8)]
+            started = time.monotonic()
+            results = store.wait(store.dump(keys, [payload(100 + i) for i in range(8)]), 60)
+            took = time.monotonic() - started
+            assert all(r.status is Status.ERROR for r in results), results
+            assert "stayed locked by another process" in results[0].detail
+            assert took < 4, took  # one wait of 1 s, then at once
+        finally:
+            store.close()
+    finally:
+        holder.kill()
+        holder.wait()
+    store = signed_store(shared_folder / "store")
+    try:  # the holder gone, dumps work again
+        assert store.wait(store.dump([key_of(1)], [payload(1)]), 30)[0].ok
+    finally:
+        store.close()

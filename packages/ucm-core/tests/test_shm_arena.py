@@ -222,7 +222,7 @@ def test_keys_chosen_to_share_their_low_bits_do_not_make_long_probes(shm_dir):
     keys = [(i << 32).to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(4000)]
     assert all(r.ok for r in store.wait(store.dump(keys, [blob(i % 7, size) for i in range(4000)])))
     arena = store._arena
-    homes = arena_module._homes(arena._salt, arena.np["key0"], arena.geometry.buckets)
+    homes = arena_module.homes(arena._salt, arena.np["key0"], arena.geometry.buckets)
     islot = arena.np["islot"]
     buckets = np.flatnonzero(islot < arena.geometry.slots)
     distance = (buckets - homes[islot[buckets]].astype(np.int64)) % arena.geometry.buckets

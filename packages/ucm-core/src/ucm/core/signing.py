@@ -85,9 +85,13 @@ def read_secret(reference: str, where: str = "store.secret") -> bytes:
 
 def _read_secret_file(path: str, where: str) -> bytes:
     try:
-        # Links are followed (Kubernetes mounts secrets through them); the file must be
-        # private, like an ssh key: nobody else may change it or read it.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        # Links are followed only where this user or root made them, in folders nobody
+        # else can change (Kubernetes mounts secrets through root's links); the file itself
+        # is opened without following one, and must be private, like an ssh key.
+        from ucm.core.store.folder import resolve_trusted  # the store package imports this
+
+        real = resolve_trusted(path, where, "the secret file")
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as exc:
         raise ConfigError(where, f"cannot read the secret file {path}: {exc.strerror}") from None
     try:

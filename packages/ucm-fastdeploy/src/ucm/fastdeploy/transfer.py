@@ -87,7 +87,7 @@ class _TierWrite:
 
     def commit(self) -> _Step:
         # A copy that fails to finish leaves the room reserved, not given back: the copy
-        # may still write it, so nobody else may get it until its lease ends.
+        # may still write it, so no other writer gets it while this process lives.
         if self.handle is not None:
             self.handle.wait()
         return _Step(self.offset, self.count, self.writes.commit(), None)

@@ -548,8 +548,8 @@ class WorkerSide:
             log.warning("ucm: cannot copy into the store's memory (%s): using rows", exc)
             return False
         if handle is not None:
-            # a copy that fails to end leaves the room reserved until its lease ends: it
-            # may still be written
+            # a copy that fails to end leaves the room reserved for as long as this process
+            # lives: it may still be written, so no other writer may get it
             handle.wait()
         return True
 

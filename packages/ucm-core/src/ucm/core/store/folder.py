@@ -38,6 +38,26 @@ def _trusted(uid: int) -> bool:
     return uid in (os.geteuid(), 0)
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):  # fmt: skip
+        if test(mode):
+            return name
+    return "non-folder"
+
+
+def make_store_folder(path: str, key: str = "store.path") -> None:
+    """Create the store's folder (mode 0700) where nothing lies at ``path``; something
+    else there is left for :func:`check_store_folder` to name."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a file, a FIFO or a link: check_store_folder says which, and the fix
+    except OSError as exc:
+        raise ConfigError(key, f"cannot make the store folder {path}: {exc.strerror}") from None
+
+
 def _describe(path: str, st: os.stat_result) -> str:
     return f"{path} (owner {_owner(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o})"
 
@@ -48,7 +68,11 @@ def check_store_folder(path: str, *, shared: bool, key: str = "store.path") -> s
     real = _walk(os.path.abspath(path), key, shared)
     st = os.lstat(real)
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(key, f"{path} is not a folder")
+        raise ConfigError(
+            key,
+            f"{path} is not a folder (it is a {_kind(st.st_mode)}): remove it, or set {key} "
+            "to another folder",
+        )
     if shared:
         return real
     if not _trusted(st.st_uid) or st.st_mode & 0o022:
@@ -82,7 +106,17 @@ def check_before_creating(path: str, *, shared: bool, key: str = "store.path") -
     _check_parent(real, key, shared)
 
 
-def _walk(path: str, key: str, shared: bool, *, store: bool = True) -> str:
+def resolve_trusted(path: str, key: str, what: str) -> str:
+    """The real path of ``path`` (a file such as a secret), resolved component by component:
+    every link on the way must belong to this user or root, every folder passed to this user
+    or root and be writable by nobody else (but with the sticky bit); ``ConfigError``
+    naming ``what`` (e.g. "the secret file"), the path at fault and the fix otherwise."""
+    return _walk(os.path.abspath(path), key, False, store=False, what=what)
+
+
+def _walk(
+    path: str, key: str, shared: bool, *, store: bool = True, what: str = "the store folder"
+) -> str:
     """Resolve ``path`` component by component, checking each folder passed and each link
     met; returns the real path.  ``store``: ``path`` is the store's folder, which may not
     be a link itself."""
@@ -96,7 +130,7 @@ def _walk(path: str, key: str, shared: bool, *, store: bool = True) -> str:
         if name == "..":
             current = os.path.dirname(current)
             continue
-        _check_parent(current, key, shared)
+        _check_parent(current, key, shared, what)
         candidate = os.path.join(current, name)
         st = os.lstat(candidate)
         if stat.S_ISLNK(st.st_mode):
@@ -104,13 +138,14 @@ def _walk(path: str, key: str, shared: bool, *, store: bool = True) -> str:
                 raise ConfigError(
                     key,
                     f"{candidate} is a symbolic link: a store folder must be the folder "
-                    f"itself (give its real path, {os.path.realpath(candidate)})",
+                    f"itself: remove it, or give the real path "
+                    f"({os.path.realpath(candidate)}) if the link is yours",
                 )
             if not _trusted(st.st_uid):
                 raise ConfigError(
                     key,
-                    f"the path of the store passes the link {_describe(candidate, st)}, "
-                    "which another user owns and could point elsewhere",
+                    f"the path of {what} passes the link {_describe(candidate, st)}, "
+                    "which another user owns and could point elsewhere: remove it",
                 )
             links += 1
             if links > _MAX_LINKS:
@@ -124,15 +159,20 @@ def _walk(path: str, key: str, shared: bool, *, store: bool = True) -> str:
     return current
 
 
-def _check_parent(folder: str, key: str, shared: bool) -> None:
+def _check_parent(folder: str, key: str, shared: bool, what: str = "the store folder") -> None:
     if shared:
         return
     st = os.stat(folder)
     writable_by_others = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
     if not _trusted(st.st_uid) or writable_by_others:
+        fix = (
+            "Put the store in a folder only you and root can write, or set shared: true "
+            "with a secret (see docs/security.md)"
+            if what == "the store folder"
+            else "Move it to a folder only you and root can write"
+        )
         raise ConfigError(
             key,
-            f"the store folder lies in {_describe(folder, st)}, which another user can "
-            "change (rename or replace what is in it). Put the store in a folder only you "
-            "and root can write, or set shared: true with a secret (see docs/security.md)",
+            f"{what} lies in {_describe(folder, st)}, which another user can change "
+            f"(rename or replace what is in it). {fix}",
         )

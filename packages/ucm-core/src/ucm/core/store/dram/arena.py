@@ -6,162 +6,113 @@ rename, an open and a read through the kernel (0.13-0.29 of memcpy for writes). 
 process maps one file once, its pages allocated when the file is made (``posix_fallocate``)
 and entered in the process's page tables (``MADV_POPULATE_WRITE``), so a dump or a load is a
 copy into or out of a slot plus a few word updates in shared memory under a short lock.
-The design and its measurements (against LMDB and the file-per-block store) are in
-``tools/prototypes/arena``.
-
-File layout (``<folder>/arena``; sections page-aligned; integers little-endian)::
-
-    superblock   one page: magic, version, geometry, counters
-    columns      one array per slot field (numpy scans a dense array):
-                 state u32, pins u32, gen u32, owner u32, key0 u64, key1 u64, length u64,
-                 layout u64, last_used u64, lease i64, seal 32 bytes
-    free stack   u32 per slot: the FREE slot numbers (its top is a superblock word)
-    index        open addressing, linear probing, a power of two >= 2 buckets per slot:
-                 key0 u64, key1 u64, slot u32 (EMPTY, or TOMB for a deleted entry); a
-                 key's home bucket is a hash of key0 salted by a random superblock word
-    data         slots x slot_bytes, 2 MiB-aligned (huge pages where the mount has them)
+The file's format is in :mod:`.layout`, the index in :mod:`.index`.
 
 The columns are the truth; the index and the free stack are derived from them, and rebuilt
 whenever a process died holding the lock (``dirty`` is set on entry to and cleared on exit
 from every critical section).  The lock is an ``flock``, which the kernel releases when its
-holder dies, so it never stays held by the dead; waits for it are bounded.
+holder dies, so it never stays held by the dead; every wait for it is bounded, opening
+included (:mod:`.files`).
 
-A slot's life: FREE -> WRITING (taken under the lock by a pid, with a lease) -> filled and
-sealed outside the lock -> READY (under the lock: the state word, then the index entry)
--> FREE (evicted or removed: ``gen`` bumped, index entry deleted).  A writer killed mid-block
-leaves a WRITING slot that no index entry names, reclaimed once its lease ends or its pid is
-gone.  A reader pins the slots of its batch (with a lease, so that a reader killed while
-pinned frees them later), copies and verifies outside the lock, and unpins; a changed
-``gen`` means its pin's lease ran out and the slot was reused: a miss.  Eviction never
-takes a pinned slot whose lease runs.
+A slot's life: FREE -> WRITING (taken under the lock by a writer) -> filled and sealed
+outside the lock -> READY (under the lock: the state word, then the index entry) -> FREE
+(evicted or removed: ``gen`` bumped, index entry deleted).  A WRITING slot is its writer's
+until the writer publishes it, gives it back or dies, never on a clock: a copy into it may
+land late, and must never be sealed under somebody else's key.  Whether a writer lives is
+asked of the lock it holds while it lives (:mod:`.writers`), never of a pid.  A reader pins
+the slots of its batch (with a lease, so that a reader killed while pinned frees them
+later), copies and verifies outside the lock, and unpins; a changed ``gen`` means its pin's
+lease ran out and the slot was reused: a miss.  Eviction never takes a pinned slot whose
+lease runs, and never a slot being written by a live writer.
 
-Nothing read from the file sizes an allocation or a mapping without a check: a process
-that attaches takes the geometry from the superblock only within its own configured
-capacity and the file's real size, a slot number is checked against ``slots`` before use,
-a stored length against ``slot_bytes`` and the caller's buffer.
+A load takes a block only from a slot whose own key columns name the key asked for (the
+index is a hint: an entry pointing at another slot serves nothing), and only once its seal
+matches.
 
 Lookups read the index without the lock under a sequence word (odd while a writer changes
 the index; a reader retries when it moved): a lookup is a hint, as across processes any
 is, and the load checks again under the lock.
+
+What a process of the same user can still do: it can write the file, so it can damage any
+block (a load then fails its seal: a miss) and it can stop while holding the lock (every
+wait is bounded: misses and errors, not hangs).  It can also shorten the file, after which
+touching a page past the new end is a SIGBUS in every process that maps it: each critical
+section and each lookup first checks the file's size and refuses a short file with
+:class:`ArenaDamaged`, which narrows that to a race (see ``docs/security.md``).
 """
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import mmap
 import os
-import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-import attrs
 import numpy as np
+from ucm.core.store.dram.files import (
+    LOCK_FILE,
+    ArenaBusy,
+    check_folder,
+    flock_until,
+    open_own_or_create,
+)
+from ucm.core.store.dram.index import TOMB, Index, bulk_find, bulk_insert, homes
+from ucm.core.store.dram.layout import (
+    ARENA_FILE,
+    COLUMNS,
+    FREE,
+    INDEX_COLUMNS,
+    PAGE,
+    READY,
+    SB_BYTES,
+    SB_DIRTY,
+    SB_EVICTED,
+    SB_FREE_TOP,
+    SB_REBUILDS,
+    SB_RECOVERIES,
+    SB_SALT,
+    SB_SEQ,
+    SB_TICK,
+    SB_TOMBS,
+    SB_USED,
+    SEAL_BYTES,
+    WRITING,
+    Geometry,
+    attach_fd,
+    create,
+    file_geometry,
+    unused,
+)
+from ucm.core.store.dram.writers import WriterLocks
 
-MAGIC = int.from_bytes(b"UCMARNA1", "little")
-VERSION = 2  # 2: a key's home bucket is a salted hash of it, no longer its low bits
-PAGE = 4096
-DATA_ALIGN = 2 << 20
-SEAL_BYTES = 32
-#: a slot's start and size are multiples of this (copies of aligned memory are fastest)
-SLOT_ALIGN = 64
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
-ARENA_FILE = "arena"
-LOCK_FILE = "arena.lock"
+__all__ = [
+    "ARENA_FILE", "Arena", "ArenaBusy", "ArenaDamaged", "ArenaMismatch", "Geometry",
+    "LEASE_NS", "LOCK_WAIT_S", "LOOKUP_WAIT_S", "Pinned", "READY", "WRITING", "homes",
+]  # fmt: skip
 
-FREE, WRITING, READY = 0, 1, 2
-EMPTY = 0xFFFFFFFF  # a bucket unused since the last rebuild: probes stop here
-TOMB = 0xFFFFFFFE  # a deleted entry: probes go on; an insert may take it
-
-#: a reader or writer holding a slot longer than this is presumed dead
+#: a reader holding a pin longer than this is presumed gone: its slot may be evicted (the
+#: reader then finds the slot's ``gen`` changed, and what it read is a miss)
 LEASE_NS = 30_000_000_000
 #: the longest wait for the lock on the engine's path (a holder stopped, not killed, would
 #: otherwise stall every process of the host); the call then fails as a miss or an error
 LOCK_WAIT_S = 2.0
-#: vectorised probe rounds before the last few keys finish one by one
-_VECTOR_ROUNDS = 2
-
-# superblock words (u64 index into the first page)
-SB_MAGIC, SB_VERSION, SB_SLOT_BYTES, SB_SLOTS, SB_BUCKETS = 0, 1, 2, 3, 4
-SB_TICK, SB_DIRTY, SB_FREE_TOP, SB_SEQ, SB_USED, SB_EVICTED, SB_RECOVERIES = 5, 6, 7, 8, 9, 10, 11
-SB_TOMBS, SB_REBUILDS, SB_BYTES, SB_SALT = 12, 13, 14, 15
-
-#: Fibonacci hashing: a key's home bucket is the top bits of (key0 ^ salt) * _MIX.  Block keys
-#: are hashes of prompts, which a client chooses: were the home their low bits, a client could
-#: search for prompts whose keys share them and make every probe in the index walk one long
-#: run under the lock, stalling every engine on the host.  The salt, random per arena and kept
-#: in its owner-only file, hides which keys collide.
-_MIX = 0x9E3779B97F4A7C15
-_M64 = (1 << 64) - 1
-
-_WORDS = struct.Struct("<5Q")
-_COLUMNS = (  # name, bytes per slot, numpy dtype
-    ("state", 4, "<u4"), ("pins", 4, "<u4"), ("gen", 4, "<u4"), ("owner", 4, "<u4"),
-    ("key0", 8, "<u8"), ("key1", 8, "<u8"), ("length", 8, "<u8"), ("layout", 8, "<u8"),
-    ("last_used", 8, "<u8"), ("lease", 8, "<i8"), ("seal", SEAL_BYTES, "V32"),
-    ("free", 4, "<u4"),
-)  # fmt: skip
-
-
-class ArenaBusy(Exception):
-    """The lock was not had within :data:`LOCK_WAIT_S` (a holder stopped, not dead)."""
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+#: a lookup's wait, where writers kept the index changing: it is a hint, a miss is cheap
+LOOKUP_WAIT_S = 0.05
 
 
 class ArenaMismatch(Exception):
     """The folder's arena has another geometry and another process uses it."""
 
 
-def _round(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
-@attrs.frozen
-class Geometry:
-    """An arena's shape, fixed when its file is made."""
-
-    slot_bytes: int
-    slots: int
-
-    @classmethod
-    def for_blocks(cls, block_bytes: int, capacity_bytes: int) -> Geometry:
-        slot = _round(max(block_bytes, 1), SLOT_ALIGN)
-        return cls(slot, capacity_bytes // slot)
-
-    @property
-    def buckets(self) -> int:
-        b = 1
-        while b < 2 * self.slots:  # load factor <= 0.5: short probes, fast misses
-            b <<= 1
-        return b
-
-    def sections(self) -> dict[str, tuple[int, int]]:
-        """name -> (offset, bytes) of every section of the file."""
-        out: dict[str, tuple[int, int]] = {}
-        at = PAGE  # the superblock
-        n, b = self.slots, self.buckets
-        for name, width, _ in _COLUMNS:
-            out[name] = (at, width * n)
-            at = _round(at + width * n, PAGE)
-        for name, width in (("ik0", 8), ("ik1", 8), ("islot", 4)):
-            out[name] = (at, width * b)
-            at = _round(at + width * b, PAGE)
-        out["data"] = (_round(at, DATA_ALIGN), self.slot_bytes * n)
-        return out
-
-    @property
-    def meta_bytes(self) -> int:
-        return self.sections()["data"][0]
-
-    @property
-    def file_bytes(self) -> int:
-        off, size = self.sections()["data"]
-        return off + size
-
-    def words(self) -> tuple[int, ...]:
-        return (MAGIC, VERSION, self.slot_bytes, self.slots, self.buckets)
+class ArenaDamaged(ArenaBusy):
+    """The arena file is shorter than its geometry (another process of this user cut it):
+    touching its missing pages would be a SIGBUS, so it is not touched."""
 
 
 class Pinned(NamedTuple):
@@ -175,27 +126,6 @@ class Pinned(NamedTuple):
     seal: bytes
 
 
-def check_folder(folder: str) -> None:
-    """Refuse ``folder`` unless it is a real folder of this user that nobody else can write
-    (a block decides what the model says; the store checks the whole path at start-up)."""
-    st = os.stat(folder, follow_symlinks=False)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise PermissionError(
-            f"{folder} must be a folder (not a link) of uid {os.geteuid()} that no one else "
-            f"can write (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})"
-        )
-
-
-def _open_own(path: str, flags: int) -> int:
-    """Open a regular file of this user's that nobody else can use, never through a link."""
-    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        os.close(fd)
-        raise PermissionError(f"{path} is not a file of uid {os.geteuid()} closed to others")
-    return fd
-
-
 class Arena:
     """The arena file of ``folder``, mapped.  Thread-safe (one lock per process over the
     file's ``flock``, which does not exclude threads that share one open file)."""
@@ -203,11 +133,16 @@ class Arena:
     def __init__(self, folder: str, fd: int, geometry: Geometry, *, data: bool) -> None:
         self.folder = folder
         self.geometry = geometry
-        self.pid = os.getpid()
         self._fd = fd
-        self._lock_fd = _open_own_lock(folder)
+        self._lock_fd = open_own_or_create(os.path.join(folder, LOCK_FILE))
+        self._writers = WriterLocks(folder)
+        self._owner_word = 0  # this writer's number + 1, once it has one
         self._thread_lock = threading.Lock()
         self._closed = False
+        #: slots (slot, gen) this process reserved and pins it holds, to give back at its
+        #: next hold of the lock (a hold that failed could not)
+        self._owed_writes: collections.deque[tuple[int, int]] = collections.deque()
+        self._owed_pins: collections.deque[tuple[Pinned, bool]] = collections.deque()
         self.evicted_here = 0  # blocks this process's passes evicted
         #: told the names (key0, key1 columns) of the blocks this process's passes evict
         self.on_evicted: Callable[[np.ndarray, np.ndarray], None] | None = None
@@ -223,21 +158,29 @@ class Arena:
 
     @classmethod
     def open(
-        cls, folder: str, geometry: Geometry, *, data: bool = True, replace_unused: bool = True
+        cls,
+        folder: str,
+        geometry: Geometry,
+        *,
+        data: bool = True,
+        replace_unused: bool = True,
+        wait_s: float = LOCK_WAIT_S,
     ) -> Arena:
         """The arena of ``folder`` made for ``geometry``, created if absent.  One of another
-        geometry is replaced if no other process has it open, else :class:`ArenaMismatch`."""
+        geometry is replaced if no other process has it open, else :class:`ArenaMismatch`;
+        :class:`ArenaBusy` where the lock was not had within ``wait_s``."""
         check_folder(folder)
-        lock_fd = _open_own_lock(folder)
+        lock_fd = open_own_or_create(os.path.join(folder, LOCK_FILE))
+        deadline = time.monotonic() + wait_s
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # creation and replacement, one process at once
+            flock_until(lock_fd, deadline, f"the arena in {folder}")  # one process at once
             path = os.path.join(folder, ARENA_FILE)
-            fd = _attach_fd(path)
+            fd = attach_fd(path, deadline)
             if fd is not None:
-                found = _file_geometry(fd)
+                found = file_geometry(fd)
                 if found == geometry:
                     return cls(folder, fd, geometry, data=data)
-                if not replace_unused or not _unused(fd):
+                if not replace_unused or not unused(fd):
                     os.close(fd)
                     raise ArenaMismatch(
                         f"{path} holds {found.slots if found else '?'} slots of "
@@ -245,25 +188,27 @@ class Arena:
                         f"process; blocks of {geometry.slot_bytes} bytes need their own path"
                     )
                 os.close(fd)
-            fd = _create(path, geometry)
+            fd = create(path, geometry)
             return cls(folder, fd, geometry, data=data)
         finally:
             os.close(lock_fd)
 
     @classmethod
-    def attach(cls, folder: str, capacity_bytes: int, *, data: bool = True) -> Arena | None:
+    def attach(
+        cls, folder: str, capacity_bytes: int, *, data: bool = True, wait_s: float = LOOKUP_WAIT_S
+    ) -> Arena | None:
         """The arena another process made in ``folder``, or None where there is none (or
         one this process's capacity could not hold: never mapped from what the file says
-        alone)."""
+        alone).  :class:`ArenaBusy` where it is being replaced past ``wait_s``."""
         path = os.path.join(folder, ARENA_FILE)
         try:
             check_folder(folder)
-            fd = _attach_fd(path)
+            fd = attach_fd(path, time.monotonic() + wait_s)
         except (FileNotFoundError, PermissionError):
             return None
         if fd is None:
             return None
-        found = _file_geometry(fd)
+        found = file_geometry(fd)
         if found is None or found.slot_bytes * found.slots > capacity_bytes:
             os.close(fd)
             return None
@@ -296,8 +241,7 @@ class Arena:
         self.np: dict[str, np.ndarray] = {}
         mv: dict[str, memoryview] = {}
         codes = {"<u4": "I", "<u8": "Q", "<i8": "q"}
-        widths = {name: (width, dtype) for name, width, dtype in _COLUMNS}
-        widths.update(ik0=(8, "<u8"), ik1=(8, "<u8"), islot=(4, "<u4"))
+        widths = {name: (width, dtype) for name, width, dtype in (*COLUMNS, *INDEX_COLUMNS)}
         for name, (off, size) in self.geometry.sections().items():
             if name == "data":
                 continue
@@ -313,10 +257,9 @@ class Arena:
         self._owner, self._k0, self._k1 = mv["owner"], mv["key0"], mv["key1"]
         self._len, self._layout, self._used = mv["length"], mv["layout"], mv["last_used"]
         self._lease, self._seal, self._free = mv["lease"], mv["seal"], mv["free"]
-        self._ik0, self._ik1, self._islot = mv["ik0"], mv["ik1"], mv["islot"]
-        self._mask = self.geometry.buckets - 1
         self._salt = int(self._sb[SB_SALT])
-        self._shift = _home_shift(self.geometry.buckets)
+        self._index = Index(mv["ik0"], mv["ik1"], mv["islot"], self._salt, self.geometry.buckets)
+        self._islot = mv["islot"]
 
     def _cast(self, view: memoryview, code: str) -> Any:
         self._views.append(view)
@@ -330,6 +273,7 @@ class Arena:
                 return
             self._closed = True
             self.np.clear()
+            self._index = None  # type: ignore[assignment]
             for view in reversed(self._views):
                 view.release()
             with self._data_lock:
@@ -343,31 +287,47 @@ class Arena:
                     pass
             os.close(self._fd)
             os.close(self._lock_fd)
+            self._writers.close()
 
     # -- the critical section --
 
     @contextmanager
     def locked(self, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
         """Hold the lock (at most ``wait_s`` waiting, else :class:`ArenaBusy`); rebuild the
-        derived structures first if the last holder died mid-change (``dirty`` set)."""
+        derived structures first if the last holder died mid-change (``dirty`` set), give
+        back what this process owes, and rebuild the index on the way out where tombstones
+        piled up or a walk ran long."""
         deadline = time.monotonic() + wait_s
         if not self._thread_lock.acquire(timeout=wait_s):
             raise ArenaBusy(f"the arena in {self.folder} stayed locked for {wait_s} s")
         try:
             if self._closed:
                 raise ArenaBusy("the arena is closed")
-            _flock_until(self._lock_fd, deadline, self.folder)
+            self._check_size()
+            flock_until(self._lock_fd, deadline, f"the arena in {self.folder}")
             try:
                 sb = self._sb
                 if sb[SB_DIRTY]:
                     self._recover()
-                sb[SB_DIRTY] = self.pid
+                sb[SB_DIRTY] = 1
+                if self._owed_writes or self._owed_pins:
+                    self._pay_back()
                 yield
+                if self._index.long_walk or sb[SB_TOMBS] > self.geometry.buckets // 4:
+                    self._rebuild_index()
                 sb[SB_DIRTY] = 0
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         finally:
             self._thread_lock.release()
+
+    def _check_size(self) -> None:
+        if os.fstat(self._fd).st_size < self.geometry.file_bytes:
+            raise ArenaDamaged(
+                f"{self.folder}/{ARENA_FILE} is shorter than its geometry: another process of "
+                f"uid {os.geteuid()} cut it; every engine using it must be restarted (see "
+                "docs/security.md)"
+            )
 
     def _seq_begin(self) -> None:
         self._sb[SB_SEQ] += 1  # odd: the index is changing
@@ -377,42 +337,10 @@ class Arena:
 
     # -- the index (caller holds the lock) --
 
-    def _home(self, k0: int) -> int:
-        """A key's home bucket (what :func:`_homes` computes for many)."""
-        return ((k0 ^ self._salt) * _MIX & _M64) >> self._shift
-
-    def _find(self, k0: int, k1: int) -> int:
-        """The bucket holding the key, or -1."""
-        ik0, ik1, islot, mask = self._ik0, self._ik1, self._islot, self._mask
-        i = self._home(k0)
-        while True:
-            s = islot[i]
-            if s == EMPTY:
-                return -1
-            if s != TOMB and ik0[i] == k0 and ik1[i] == k1:
-                return i
-            i = (i + 1) & mask
-
-    def _insert(self, k0: int, k1: int, slot: int) -> None:
-        """Add a key known to be absent (``_find`` said so under the same lock)."""
-        ik0, ik1, islot, mask = self._ik0, self._ik1, self._islot, self._mask
-        i = self._home(k0)
-        while True:
-            s = islot[i]
-            if s == EMPTY:
-                break
-            if s == TOMB:
-                self._sb[SB_TOMBS] -= 1
-                break
-            i = (i + 1) & mask
-        islot[i] = TOMB  # a lock-free reader must not match the new key on the old slot
-        ik0[i], ik1[i] = k0, k1
-        islot[i] = slot  # last: the entry is whole before a lock-free reader can take it
-
     def _unindex(self, s: int) -> None:
         """Drop slot ``s``'s index entry (a tombstone: the index is rebuilt when they pile up)
         and free it."""
-        b = self._find(self._k0[s], self._k1[s])
+        b = self._index.find(self._k0[s], self._k1[s])
         if b >= 0 and self._islot[b] == s:
             self._islot[b] = TOMB
             self._sb[SB_TOMBS] += 1
@@ -420,20 +348,17 @@ class Arena:
         self._sb[SB_BYTES] -= self._len[s]
         self._free_slot(s)
 
-    def _maybe_rebuild(self) -> None:
-        if self._sb[SB_TOMBS] > self.geometry.buckets // 4:
-            self._rebuild_index()
-            self._sb[SB_REBUILDS] += 1
-
     def _rebuild_index(self) -> None:
         """The index afresh from the READY slots (vectorised)."""
         npc = self.np
         ready = np.flatnonzero(npc["state"] == READY)
         self._seq_begin()
-        npc["islot"][:] = EMPTY
-        _bulk_insert(self._salt, npc["ik0"], npc["ik1"], npc["islot"], npc["key0"][ready],
-                     npc["key1"][ready], ready.astype(np.uint32))  # fmt: skip
+        npc["islot"][:] = 0xFFFFFFFF
+        bulk_insert(self._salt, npc["ik0"], npc["ik1"], npc["islot"], npc["key0"][ready],
+                    npc["key1"][ready], ready.astype(np.uint32))  # fmt: skip
         self._sb[SB_TOMBS] = 0
+        self._sb[SB_REBUILDS] += 1
+        self._index.long_walk = False
         self._seq_end()
 
     # -- slots (caller holds the lock) --
@@ -442,6 +367,7 @@ class Arena:
         self._state[s] = FREE
         self._pins[s] = 0
         self._lease[s] = 0
+        self._owner[s] = 0
         self._gen[s] = (self._gen[s] + 1) & 0xFFFFFFFF
         top = self._sb[SB_FREE_TOP]
         self._free[top] = s
@@ -455,33 +381,59 @@ class Arena:
             top = self._sb[SB_FREE_TOP]
             if top == 0:
                 return -1
+        if top > self.geometry.slots:
+            raise RuntimeError("corrupt free stack")
         top -= 1
         self._sb[SB_FREE_TOP] = top
         s: int = self._free[top]
-        if s >= self.geometry.slots:
+        if s >= self.geometry.slots or self._state[s] != FREE:
             raise RuntimeError("corrupt free stack")  # never index with an unchecked number
         return s
 
+    def _writer(self) -> int:
+        """This process's owner word (its writer number + 1), taken on first use; slots an
+        earlier, dead holder of the number left WRITING are freed then (caller holds the
+        lock)."""
+        number, fresh = self._writers.number()
+        word = number + 1
+        if fresh or word != self._owner_word:
+            npc = self.np
+            left = np.flatnonzero((npc["state"] == WRITING) & (npc["owner"] == word))
+            for s in sorted(left.tolist(), reverse=True):
+                self._free_slot(s)
+            self._owner_word = word
+        return word
+
+    def _dead_writing(self) -> np.ndarray:
+        """The WRITING slots whose writer is dead (its lock is free; caller holds the
+        arena's lock, so no new holder of a number takes its slots meanwhile)."""
+        npc = self.np
+        writing = np.flatnonzero(npc["state"] == WRITING)
+        if not writing.size:
+            return writing
+        owners = npc["owner"][writing]
+        dead = [o for o in np.unique(owners).tolist() if not self._writers.alive(o - 1)]
+        return writing[np.isin(owners, dead)] if dead else writing[:0]
+
     def _evict(self, count: int, now: int) -> int:
-        """Free the ``count`` least recently used slots nobody reads (and reclaim those of
-        writers whose lease ran out): one vectorised pass over the dense columns, the index
-        entries turned to tombstones in bulk, the free stack pushed in one slice."""
+        """Free the ``count`` least recently used slots nobody reads (and the slots of
+        writers that died): one vectorised pass over the dense columns, the index entries
+        turned to tombstones in bulk, the free stack pushed in one slice."""
         npc = self.np
         st, pins, lease = npc["state"], npc["pins"], npc["lease"]
-        expired = lease < now
-        ok = ((st == READY) & ((pins == 0) | expired)) | ((st == WRITING) & expired)
-        victims = np.flatnonzero(ok)
+        victims = np.flatnonzero((st == READY) & ((pins == 0) | (lease < now)))
         if victims.size > count:
             victims = victims[np.argpartition(npc["last_used"][victims], count - 1)[:count]]
+        was_ready = victims
+        victims = np.concatenate([victims, self._dead_writing()])
         if victims.size == 0:
             return 0
-        was_ready = victims[st[victims] == READY]
         self._seq_begin()
         if was_ready.size:
-            buckets = _bulk_find(self._salt, npc["ik0"], npc["ik1"], npc["islot"],
-                                 npc["key0"][was_ready],
-                                 npc["key1"][was_ready], want_bucket=True)  # fmt: skip
-            buckets = buckets[buckets != EMPTY]
+            buckets = bulk_find(self._salt, npc["ik0"], npc["ik1"], npc["islot"],
+                                npc["key0"][was_ready],
+                                npc["key1"][was_ready], want_bucket=True)  # fmt: skip
+            buckets = buckets[buckets != 0xFFFFFFFF]
             npc["islot"][buckets] = TOMB
             self._sb[SB_TOMBS] += buckets.size
             self._sb[SB_USED] -= was_ready.size
@@ -489,6 +441,7 @@ class Arena:
         st[victims] = FREE
         pins[victims] = 0
         lease[victims] = 0
+        npc["owner"][victims] = 0
         npc["gen"][victims] += np.uint32(1)
         top = self._sb[SB_FREE_TOP]
         # pushed highest first, so that a batch takes them in rising order: blocks written
@@ -500,7 +453,6 @@ class Arena:
         self.evicted_here += int(was_ready.size)
         if self.on_evicted is not None and was_ready.size:
             self.on_evicted(npc["key0"][was_ready], npc["key1"][was_ready])
-        self._maybe_rebuild()
         return int(was_ready.size)
 
     def _recover(self) -> None:
@@ -508,13 +460,12 @@ class Arena:
         the columns (vectorised; a few ms for 256k slots)."""
         npc = self.np
         st = npc["state"]
-        now = time.monotonic_ns()
-        for s in np.flatnonzero(st == WRITING).tolist():  # writers gone or out of lease
-            if self._lease[s] < now or not _alive(self._owner[s]):
-                st[s] = FREE
+        st[self._dead_writing()] = FREE  # a live writer keeps its slots, whatever its pid
+        bad = np.flatnonzero(st > READY)
+        st[bad] = FREE  # no such state: a damaged column
         self._seq_begin()
         islot = npc["islot"]
-        islot[:] = EMPTY
+        islot[:] = 0xFFFFFFFF
         ready = np.flatnonzero(st == READY)
         k0, k1 = npc["key0"][ready], npc["key1"][ready]
         # a key published twice (the holder died between two steps): keep the newest
@@ -525,19 +476,45 @@ class Arena:
             dup[order[1:]] = (s0[1:] == s0[:-1]) & (s1[1:] == s1[:-1])
         st[ready[dup]] = FREE
         ready, k0, k1 = ready[~dup], k0[~dup], k1[~dup]
-        _bulk_insert(self._salt, npc["ik0"], npc["ik1"], islot, k0, k1, ready.astype(np.uint32))
+        bulk_insert(self._salt, npc["ik0"], npc["ik1"], islot, k0, k1, ready.astype(np.uint32))
         self._sb[SB_TOMBS] = 0
+        self._index.long_walk = False
         free = np.flatnonzero(st == FREE)
         npc["gen"][free] += np.uint32(1)  # a pin or a write on a reclaimed slot must see it
         npc["free"][: free.size] = free[::-1].astype(np.uint32)
         npc["pins"][free] = 0
         npc["lease"][free] = 0
+        npc["owner"][free] = 0
         self._sb[SB_FREE_TOP] = free.size
         self._sb[SB_USED] = ready.size
         self._sb[SB_BYTES] = int(npc["length"][ready].sum())
         self._sb[SB_RECOVERIES] += 1
         self._seq_end()
         self._sb[SB_SEQ] &= ~1  # even again, whatever the dead holder left
+
+    # -- what a failed hold of the lock left owed --
+
+    def owe_writes(self, reserved: Sequence[tuple[int, int]]) -> None:
+        """Give these reserved ``(slot, gen)`` back unwritten at this process's next hold of
+        the lock (this one could not be had; nobody else may take them meanwhile)."""
+        self._owed_writes.extend(reserved)
+
+    def owe_pins(self, pinned: Sequence[Pinned], bad: Sequence[Pinned] = ()) -> None:
+        """Release these pins (dropping the ``bad`` slots) at the next hold of the lock."""
+        dropped = {id(p) for p in bad}
+        self._owed_pins.extend((p, id(p) in dropped) for p in pinned)
+
+    def _pay_back(self) -> None:
+        word = self._owner_word
+        self._seq_begin()
+        while self._owed_writes:
+            s, gen = self._owed_writes.popleft()
+            if self._state[s] == WRITING and self._gen[s] == gen and self._owner[s] == word:
+                self._free_slot(s)
+        while self._owed_pins:
+            p, drop = self._owed_pins.popleft()
+            self._unpin_one(p, drop, time.monotonic_ns())
+        self._seq_end()
 
     # -- the operations --
 
@@ -549,9 +526,12 @@ class Arena:
         now = time.monotonic_ns()
         out: list[tuple[int, int] | bool] = []
         seen: set[tuple[int, int]] = set()
+        find = None
         with self.locked(wait_s):
+            word = self._writer()
+            find = self._index.find
             for k0, k1 in keys:
-                if (k0, k1) in seen or self._find(k0, k1) >= 0:
+                if (k0, k1) in seen or find(k0, k1) >= 0:
                     out.append(True)
                     continue
                 s = self._take_slot(now, evict_batch)
@@ -560,8 +540,8 @@ class Arena:
                     continue
                 seen.add((k0, k1))
                 self._state[s] = WRITING
-                self._owner[s] = self.pid
-                self._lease[s] = now + LEASE_NS
+                self._owner[s] = word
+                self._lease[s] = 0  # a writer's slot has no lease: it is its until it dies
                 self._k0[s], self._k1[s] = k0, k1
                 out.append((s, self._gen[s]))
         return out
@@ -583,21 +563,28 @@ class Arena:
     ) -> list[bool]:
         """Make the reserved slots readable: each ``(slot, gen, length, layout, seal)``;
         a length of -1 gives the slot back unwritten.  For each, whether the key is now
-        stored: False where the slot was given back or is no longer this writer's (its
-        lease ran out); True, the slot given back, where another process published the key
-        first."""
+        stored: False where the slot was given back or is no longer this writer's (it died
+        in the meantime, as far as the others could tell); True, the slot given back, where
+        another process published the key first."""
         out = []
         sb = self._sb
         with self.locked(wait_s):
+            word = self._owner_word
+            find, insert = self._index.find, self._index.insert
             self._seq_begin()
             for (s, gen, length, layout, seal), (k0, k1) in zip(written, keys):
                 mine = (
-                    self._state[s] == WRITING and self._gen[s] == gen and self._owner[s] == self.pid
+                    word
+                    and self._state[s] == WRITING
+                    and self._gen[s] == gen
+                    and self._owner[s] == word
+                    and self._k0[s] == k0
+                    and self._k1[s] == k1
                 )
                 if not mine:
                     out.append(False)
                     continue
-                if length < 0 or self._find(k0, k1) >= 0:
+                if length < 0 or find(k0, k1) >= 0:
                     self._free_slot(s)  # cancelled, failed, or the key published meanwhile
                     out.append(length >= 0)
                     continue
@@ -608,8 +595,15 @@ class Arena:
                 sb[SB_TICK] = tick
                 self._used[s] = tick
                 self._lease[s] = 0
+                try:
+                    if insert(k0, k1, s):
+                        sb[SB_TOMBS] -= 1
+                except RuntimeError:  # a damaged index: rebuilt on the way out
+                    self._free_slot(s)
+                    out.append(False)
+                    continue
+                self._owner[s] = 0
                 self._state[s] = READY  # publish: the one store that makes the slot whole
-                self._insert(k0, k1, s)
                 sb[SB_USED] += 1
                 sb[SB_BYTES] += length
                 out.append(True)
@@ -619,15 +613,18 @@ class Arena:
     def pin(
         self, keys: Sequence[tuple[int, int]], wait_s: float = LOCK_WAIT_S
     ) -> list[Pinned | None]:
-        """Pin the stored keys' slots for reading (and mark them used)."""
+        """Pin the stored keys' slots for reading (and mark them used): only a READY slot
+        whose own key columns are the key's (the index entry is a hint)."""
         now = time.monotonic_ns()
         out: list[Pinned | None] = []
         sb = self._sb
+        slots = self.geometry.slots
         with self.locked(wait_s):
+            find, islot = self._index.find, self._islot
             for k0, k1 in keys:
-                b = self._find(k0, k1)
-                s = self._islot[b] if b >= 0 else EMPTY
-                if s >= self.geometry.slots or self._state[s] != READY:
+                b = find(k0, k1)
+                s = islot[b] if b >= 0 else slots
+                if s >= slots or self._state[s] != READY or self._k0[s] != k0 or self._k1[s] != k1:
                     out.append(None)
                     continue
                 self._pins[s] += 1
@@ -646,25 +643,31 @@ class Arena:
         reader holds them.  For each pin, whether the slot was still the one pinned (else
         its lease ran out and it was reused: what was read is not the block)."""
         out = []
+        now = time.monotonic_ns()
         with self.locked(wait_s):
             for p in pinned:
-                s = p.slot
-                same = self._gen[s] == p.gen
+                same = self._gen[p.slot] == p.gen
                 out.append(same)
-                if not same:
-                    continue
-                if self._pins[s]:
-                    self._pins[s] -= 1
-                if self._pins[s] == 0:
-                    self._lease[s] = 0
+                if same:
+                    self._unpin_one(p, False, now)
             if bad:
                 self._seq_begin()
                 for p in bad:
-                    s = p.slot
-                    if self._gen[s] == p.gen and self._state[s] == READY and not self._pins[s]:
-                        self._unindex(s)
+                    self._unpin_one(p, True, now, pinned=False)
                 self._seq_end()
         return out
+
+    def _unpin_one(self, p: Pinned, drop: bool, now: int, *, pinned: bool = True) -> None:
+        s = p.slot
+        if self._gen[s] != p.gen:
+            return
+        if pinned:
+            if self._pins[s]:
+                self._pins[s] -= 1
+            if self._pins[s] == 0:
+                self._lease[s] = 0
+        if drop and self._state[s] == READY and not self._pins[s]:
+            self._unindex(s)
 
     def remove(self, keys: Sequence[tuple[int, int]], wait_s: float = LOCK_WAIT_S) -> int:
         """Delete the keys (a slot being read is left to eviction); how many were stored."""
@@ -674,10 +677,12 @@ class Arena:
             self._seq_begin()
             freed = []
             for k0, k1 in keys:
-                b = self._find(k0, k1)
+                b = self._index.find(k0, k1)
                 if b < 0:
                     continue
                 s = self._islot[b]
+                if s >= self.geometry.slots or self._state[s] != READY:
+                    continue
                 removed += 1
                 if self._pins[s] and self._lease[s] >= now:
                     continue
@@ -685,7 +690,6 @@ class Arena:
             for s in sorted(set(freed), reverse=True):  # taken again in rising order
                 self._unindex(s)
             self._seq_end()
-            self._maybe_rebuild()
         return removed
 
     def evict(self, count: int, wait_s: float = LOCK_WAIT_S) -> int:
@@ -695,26 +699,40 @@ class Arena:
 
     # -- lookups: without the lock --
 
-    def found(self, keys: np.ndarray) -> np.ndarray:
-        """Which keys (an (n, 2) array of u64 words) are stored, as a bool array."""
+    def found(self, keys: np.ndarray, wait_s: float = LOOKUP_WAIT_S) -> np.ndarray:
+        """Which keys (an (n, 2) array of u64 words) are stored, as a bool array;
+        :class:`ArenaBusy` where the index kept changing and the lock was not had within
+        ``wait_s``."""
         npc = self.np
+        self._check_size()
         for _ in range(64):
             seq = self._sb[SB_SEQ]
             if seq & 1:
                 time.sleep(0)
                 continue
-            slots = _bulk_find(
+            slots = bulk_find(
                 self._salt, npc["ik0"], npc["ik1"], npc["islot"], keys[:, 0], keys[:, 1]
             )
             hit = slots < self.geometry.slots
-            hit[hit] = npc["state"][slots[hit]] == READY
+            at = slots[hit]
+            hit[hit] = (
+                (npc["state"][at] == READY)
+                & (npc["key0"][at] == keys[hit, 0])
+                & (npc["key1"][at] == keys[hit, 1])
+            )
             if self._sb[SB_SEQ] == seq:
                 return hit
-        with self.locked():  # writers kept changing the index: ask under the lock
+        with self.locked(wait_s):  # writers kept changing the index: ask under the lock
             out = np.zeros(len(keys), bool)
             for i, (k0, k1) in enumerate(keys.tolist()):
-                b = self._find(k0, k1)
-                out[i] = b >= 0 and self._state[self._islot[b]] == READY
+                b = self._index.find(k0, k1)
+                s = self._islot[b] if b >= 0 else self.geometry.slots
+                out[i] = (
+                    s < self.geometry.slots
+                    and self._state[s] == READY
+                    and self._k0[s] == k0
+                    and self._k1[s] == k1
+                )
             return out
 
     # -- inspection --
@@ -752,208 +770,3 @@ class Arena:
 
     def ready_slots(self) -> list[int]:
         return np.flatnonzero(self.np["state"] == READY).tolist()
-
-
-def _open_own_lock(folder: str) -> int:
-    path = os.path.join(folder, LOCK_FILE)
-    try:
-        try:
-            return _open_own(path, os.O_RDWR)
-        except FileNotFoundError:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            os.close(fd)
-            return _open_own(path, os.O_RDWR)
-    except PermissionError:
-        raise
-    except OSError as exc:  # ELOOP: a link planted where the lock goes
-        raise PermissionError(f"{path} cannot be opened as a file of ours: {exc}") from None
-
-
-def _flock_until(fd: int, deadline: float, folder: str) -> None:
-    """``flock`` within the deadline: at once when free, else polled (a stopped holder must
-    not stall the engine beyond the bound)."""
-    pause = 20e-6
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise ArenaBusy(f"the arena in {folder} stayed locked past its wait") from None
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-
-def _attach_fd(path: str) -> int | None:
-    """The arena file, opened and marked in use (a shared ``flock`` held while it is open:
-    a replacement needs nobody to hold one), or None where absent."""
-    try:
-        fd = _open_own(path, os.O_RDWR)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:  # ELOOP: a link planted where the arena goes
-        raise PermissionError(f"{path} cannot be opened as a file of ours: {exc}") from None
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
-
-
-def _unused(fd: int) -> bool:
-    """Whether no other process holds the arena open (our shared lock becomes exclusive)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def _file_geometry(fd: int) -> Geometry | None:
-    """The geometry the file's superblock names, if it is an arena of this version whose
-    size agrees with it."""
-    head = os.pread(fd, _WORDS.size, 0)
-    if len(head) != _WORDS.size:
-        return None
-    magic, version, slot_bytes, slots, buckets = _WORDS.unpack(head)
-    if magic != MAGIC or version != VERSION or not slots or slot_bytes % SLOT_ALIGN:
-        return None
-    geometry = Geometry(slot_bytes, slots)
-    if geometry.buckets != buckets or os.fstat(fd).st_size != geometry.file_bytes:
-        return None
-    return geometry
-
-
-def _create(path: str, geometry: Geometry) -> int:
-    """A fresh arena file, published by rename (a process killed while making it leaves
-    only a temporary file).  Caller holds the creation lock."""
-    g = geometry
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        # every page now: a write into a hole of a full tmpfs would be a SIGBUS
-        os.posix_fallocate(fd, 0, g.file_bytes)
-        meta = mmap.mmap(fd, g.meta_bytes, mmap.MAP_SHARED)
-        try:
-            sections = g.sections()
-            off, size = sections["islot"]
-            np.frombuffer(meta, "<u4", count=size // 4, offset=off)[:] = EMPTY
-            off, size = sections["free"]
-            # the free stack: slot n-1 at the bottom, so that slot 0 is handed out first
-            free = np.frombuffer(meta, "<u4", count=size // 4, offset=off)
-            free[:] = np.arange(g.slots - 1, -1, -1, dtype=np.uint32)
-            del free
-            sb = memoryview(meta)[:PAGE].cast("Q")
-            sb[SB_SLOT_BYTES], sb[SB_SLOTS], sb[SB_BUCKETS] = g.slot_bytes, g.slots, g.buckets
-            sb[SB_FREE_TOP] = g.slots
-            sb[SB_SALT] = int.from_bytes(os.urandom(8), "little")
-            sb[SB_VERSION] = VERSION
-            sb[SB_MAGIC] = MAGIC  # last: a file without it is not an arena
-            sb.release()
-        finally:
-            meta.close()
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.rename(tmp, path)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    return fd
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _home_shift(buckets: int) -> int:
-    """How far a 64-bit product is shifted to leave a bucket number (``buckets`` a power
-    of two, at least 2)."""
-    return 65 - buckets.bit_length()
-
-
-def _homes(salt: int, k0: np.ndarray, buckets: int) -> np.ndarray:
-    """The home buckets of keys, as :meth:`Arena._find` computes one (uint64 products wrap)."""
-    mixed = (k0.astype(np.uint64) ^ np.uint64(salt)) * np.uint64(_MIX)
-    return mixed >> np.uint64(_home_shift(buckets))
-
-
-def _bulk_find(
-    salt: int,
-    ik0: np.ndarray,
-    ik1: np.ndarray,
-    islot: np.ndarray,
-    k0: np.ndarray,
-    k1: np.ndarray,
-    want_bucket: bool = False,
-) -> np.ndarray:
-    """The slot (or bucket) of every key, EMPTY where absent: all keys advance one probe a
-    round, so the Python overhead is per round (the longest probe), not per key; the few
-    keys left after ``_VECTOR_ROUNDS`` rounds finish one by one."""
-    mask = np.uint64(islot.size - 1)
-    pos = _homes(salt, k0, islot.size)
-    out = np.full(k0.size, EMPTY, np.uint64 if want_bucket else np.uint32)
-    todo = np.arange(k0.size)
-    rounds = 0
-    while todo.size:
-        rounds += 1
-        if rounds > _VECTOR_ROUNDS and todo.size <= 16:
-            m = int(mask)
-            for t in todo.tolist():
-                a, b, i = int(k0[t]), int(k1[t]), int(pos[t])
-                for _ in range(islot.size):
-                    sl = int(islot[i])
-                    if sl == EMPTY:
-                        break
-                    if sl < TOMB and int(ik0[i]) == a and int(ik1[i]) == b:
-                        out[t] = i if want_bucket else sl
-                        break
-                    i = (i + 1) & m
-            break
-        p = pos[todo]
-        s = islot[p]
-        match = (s < TOMB) & (ik0[p] == k0[todo]) & (ik1[p] == k1[todo])
-        out[todo[match]] = p[match] if want_bucket else s[match]
-        todo = todo[(s != EMPTY) & ~match]
-        pos[todo] = (pos[todo] + np.uint64(1)) & mask
-        if rounds > islot.size:  # a full index without an empty bucket (never, at <= 0.5)
-            break
-    return out
-
-
-def _bulk_insert(
-    salt: int,
-    ik0: np.ndarray,
-    ik1: np.ndarray,
-    islot: np.ndarray,
-    k0: np.ndarray,
-    k1: np.ndarray,
-    slots: np.ndarray,
-) -> int:
-    """Insert keys known to be absent and distinct: each round, every pending key takes its
-    bucket if free (EMPTY or TOMB; the first of several contenders wins), the others probe
-    on.  Key words are written before the slot word (lock-free readers match on a slot below
-    TOMB only).  Returns how many tombstones were taken."""
-    mask = np.uint64(islot.size - 1)
-    pos = _homes(salt, k0, islot.size)
-    todo = np.arange(k0.size)
-    tombs = 0
-    while todo.size:
-        p = pos[todo]
-        free = islot[p] >= TOMB
-        cand = todo[free]
-        _, first = np.unique(pos[cand], return_index=True)
-        win = cand[first]
-        at = pos[win]
-        tombs += int((islot[at] == TOMB).sum())
-        ik0[at], ik1[at] = k0[win], k1[win]
-        islot[at] = slots[win]
-        won = np.zeros(k0.size, bool)
-        won[win] = True
-        todo = todo[~won[todo]]
-        pos[todo] = (pos[todo] + np.uint64(1)) & mask
-    return tombs

@@ -33,6 +33,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -42,6 +43,8 @@ from ucm.core.settings import GIB, ConfigError
 from ucm.core.signing import BlockSigner, signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.arena import (
+    LOCK_WAIT_S,
+    LOOKUP_WAIT_S,
     Arena,
     ArenaBusy,
     ArenaMismatch,
@@ -51,7 +54,12 @@ from ucm.core.store.dram.arena import (
 from ucm.core.store.dram.config import DramStoreConfig
 from ucm.core.store.dram.sealing import Move, move_sealed, move_sealed_batch
 from ucm.core.store.evictions import EvictionWatch
-from ucm.core.store.folder import check_before_creating, check_store_folder, nearest_existing
+from ucm.core.store.folder import (
+    check_before_creating,
+    check_store_folder,
+    make_store_folder,
+    nearest_existing,
+)
 from ucm.core.store.payload import Payload
 from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
@@ -74,6 +82,9 @@ CHUNK = 32
 #: a few large blocks still spreads over the threads: FastDeploy writes steps of 8 blocks of
 #: 4 MiB, one chunk each before, sealed by one thread while the others had nothing to do
 CHUNK_BYTES = 8 << 20
+#: after an open of the arena found its lock held past its wait, calls fail at once for
+#: this long (each would otherwise make the engine's thread wait out the bound again)
+RETRY_OPEN_S = 5.0
 
 
 def chunk_keys(nbytes: int) -> int:
@@ -89,7 +100,7 @@ class SharedMemoryStore(Store):
     def __init__(self, config: DramStoreConfig) -> None:
         check_memory_filesystem(config.path, config.capacity_bytes)
         check_before_creating(config.path, shared=False)
-        os.makedirs(config.path, mode=0o700, exist_ok=True)
+        make_store_folder(config.path)
         self.root = check_store_folder(config.path, shared=False)
         self.config = config
         self._capacity = config.capacity_bytes
@@ -99,6 +110,8 @@ class SharedMemoryStore(Store):
         self._pool = store_pool(config.threads, "ucm-shm")
         self._closed = False
         self._evictions = EvictionWatch()
+        self._retry_open_at = 0.0  # an open that found the lock held is not retried before
+        self._open_failure = ""
 
     @property
     def reads_from_memory(self) -> bool:
@@ -113,15 +126,22 @@ class SharedMemoryStore(Store):
 
     def _attached(self) -> Arena | None:
         """The arena, attached if another process made one (an open that fails costs a few
-        microseconds); None while there is none."""
+        microseconds); None while there is none, or while it cannot be had at once."""
         arena = self._arena
         if arena is not None:
             return arena
-        with self._arena_lock:
+        if not self._arena_lock.acquire(timeout=LOOKUP_WAIT_S):
+            return None  # another thread is opening it (bounded): a miss meanwhile
+        try:
             if self._arena is None and not self._closed:
-                attached = Arena.attach(self.root, self._capacity, data=False)
+                try:
+                    attached = Arena.attach(self.root, self._capacity, data=False)
+                except ArenaBusy:
+                    return None
                 self._arena = None if attached is None else self._adopt(attached)
             return self._arena
+        finally:
+            self._arena_lock.release()
 
     def _adopt(self, arena: Arena) -> Arena:
         arena.on_evicted = self._evicted  # what this process's passes evict, for the watch
@@ -136,19 +156,28 @@ class SharedMemoryStore(Store):
 
     def _arena_for(self, nbytes: int) -> Arena:
         """The arena, made for blocks of ``nbytes`` if there is none yet; ``ConfigError``
-        where the blocks cannot be held."""
+        where the blocks cannot be held, ``ArenaBusy`` where its lock was not had within its
+        wait (then every call fails at once for :data:`RETRY_OPEN_S`, not each after a wait)."""
         if nbytes > self._capacity:
             raise ConfigError(
                 "store.capacity_gb",
                 f"{self.config.capacity_gb} GiB cannot hold one block of {nbytes} bytes",
             )
-        with self._arena_lock:
+        if not self._arena_lock.acquire(timeout=LOCK_WAIT_S):
+            raise ArenaBusy(f"the arena in {self.root} is being opened by another thread")
+        try:
             if self._closed:
                 raise RuntimeError("the store is closed")
             if self._arena is None:
+                if time.monotonic() < self._retry_open_at:
+                    raise ArenaBusy(self._open_failure)
                 geometry = Geometry.for_blocks(nbytes, self._capacity)
                 try:
                     self._arena = self._adopt(Arena.open(self.root, geometry))
+                except ArenaBusy as exc:
+                    self._retry_open_at = time.monotonic() + RETRY_OPEN_S
+                    self._open_failure = str(exc)
+                    raise
                 except (ArenaMismatch, PermissionError) as exc:
                     raise ConfigError("store.path", str(exc)) from None
                 except OSError as exc:  # no room left in the memory filesystem
@@ -163,6 +192,8 @@ class SharedMemoryStore(Store):
                     self.root, geometry.slots, geometry.slot_bytes,
                 )  # fmt: skip
             arena = self._arena
+        finally:
+            self._arena_lock.release()
         if nbytes > arena.geometry.slot_bytes:
             raise ConfigError(
                 "store.path",
@@ -174,7 +205,10 @@ class SharedMemoryStore(Store):
         return arena
 
     def check_block_bytes(self, nbytes: int) -> None:
-        self._arena_for(nbytes)
+        try:
+            self._arena_for(nbytes)
+        except ArenaBusy as exc:  # start anyway: dumps fail and loads miss until it is had
+            log.warning("ucm dram store %s: cannot open the arena yet: %s", self.root, exc)
 
     def _names(self, keys: Sequence[bytes]) -> bytes:
         """The keys as the arena's index holds them, end to end: keyed by the secret in a
@@ -194,7 +228,7 @@ class SharedMemoryStore(Store):
         try:
             nbytes = max(p.nbytes for p in payloads)
             arena = self._arena_for(nbytes)
-        except ConfigError as exc:
+        except (ConfigError, ArenaBusy) as exc:
             return Task.completed([KeyResult(Status.ERROR, str(exc))] * len(keys))
         return self._spread(
             len(keys), nbytes, self._dump_chunk, arena, keys, payloads, _layout_word(layout)
@@ -342,7 +376,8 @@ class SharedMemoryStore(Store):
             return []
         try:
             return arena.publish(written, words)
-        except ArenaBusy:  # the slots stay WRITING until their lease ends, then are reclaimed
+        except ArenaBusy:  # given back unwritten at this process's next hold of the lock
+            arena.owe_writes([(w[0], w[1]) for w in written])
             return [False] * len(written)
 
     # -- load --
@@ -399,7 +434,7 @@ class SharedMemoryStore(Store):
         finally:  # every pin goes, whatever happened
             try:
                 held = _unpin(arena, pinned, bad)
-            except ArenaBusy as exc:  # the pins' leases end by themselves
+            except ArenaBusy as exc:  # released at this process's next hold of the lock
                 busy = KeyResult(Status.ERROR, str(exc))
         if busy is not None:
             return [busy] * len(chunk)
@@ -490,7 +525,11 @@ class SharedMemoryStore(Store):
         arena = self._attached()
         if arena is None or not keys:
             return np.zeros(len(keys), bool)
-        return arena.found(np.frombuffer(self._names(keys), "<u8").reshape(-1, 2))
+        try:
+            return arena.found(np.frombuffer(self._names(keys), "<u8").reshape(-1, 2))
+        except ArenaBusy as exc:  # a lookup is a hint: a busy store answers "not stored"
+            log.debug("ucm dram store: lookup answered as misses (%s)", exc)
+            return np.zeros(len(keys), bool)
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         found: list[bool] = self._found(keys).tolist()
@@ -505,7 +544,11 @@ class SharedMemoryStore(Store):
         arena = self._attached()
         if arena is None or not keys:
             return 0
-        return arena.remove(self._words(keys))
+        try:
+            return arena.remove(self._words(keys))
+        except ArenaBusy as exc:
+            log.warning("ucm dram store %s: nothing removed: %s", self.root, exc)
+            return 0
 
     def usage(self) -> StoreUsage:
         arena = self._attached()
@@ -595,7 +638,7 @@ class _ArenaReads(SlotReads):
     def _unpin(self) -> list[bool]:
         try:
             return _unpin(self._arena, self.pinned, self.bad)
-        except ArenaBusy:  # the pins' leases end by themselves
+        except ArenaBusy:  # released at this process's next hold of the lock
             return [False] * len(self.pinned)
 
 
@@ -626,7 +669,11 @@ def _unpin(arena: Arena, pinned: list[Pinned | None], bad: Sequence[Pinned]) -> 
     per key, whether its pin held to the end (False where it had none).  ``ArenaBusy``
     where the lock was not had."""
     pins = [pin for pin in pinned if pin is not None]
-    kept = iter(arena.unpin(pins, bad) if pins else [])
+    try:
+        kept = iter(arena.unpin(pins, bad) if pins else [])
+    except ArenaBusy:
+        arena.owe_pins(pins, bad)
+        raise
     return [pin is not None and next(kept) for pin in pinned]
 
 
@@ -669,7 +716,8 @@ def verify_arena(arena: Arena, signer: BlockSigner | None, remove: bool) -> tupl
 def check_memory_filesystem(path: str, capacity_bytes: int) -> None:
     """Raise a ``ConfigError`` unless ``path`` lies on a memory filesystem that can hold
     ``capacity_bytes``."""
-    existing = os.path.realpath(nearest_existing(path))
+    # a dangling link at the path: judged by where it points (check_store_folder refuses it)
+    existing = nearest_existing(os.path.realpath(nearest_existing(path)))
     found = mount_of(existing)
     if found is None:
         raise ConfigError(

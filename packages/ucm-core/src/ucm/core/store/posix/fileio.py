@@ -30,12 +30,19 @@ class NotABlock(BlockFormatError):
     """What is at a block's path is not a regular file (a link, a FIFO, a device...)."""
 
 
-def open_block(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
-    """A block file opened for reading, and its status; ``FileNotFoundError`` if absent,
-    :class:`NotABlock` if it is not a regular file (a link at the path included)."""
+class NotAFolder(OSError):
+    """What is at a block folder's path is not a folder of the store (a link, a file)."""
+
+
+def open_block(
+    path: str, extra_flags: int = 0, dir_fd: int | None = None
+) -> tuple[int, os.stat_result]:
+    """A block file opened for reading (``path`` relative to ``dir_fd`` if given), and its
+    status; ``FileNotFoundError`` if absent, :class:`NotABlock` if it is not a regular file
+    (a link at the path included)."""
     try:
         # extra flags (O_DIRECT) only once it is known to be a file: a FIFO refuses them
-        fd = os.open(path, O_BLOCK_READ)
+        fd = os.open(path, O_BLOCK_READ, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
             raise NotABlock("a symbolic link, not a block file") from None
@@ -55,6 +62,35 @@ def open_block(path: str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
 def open_dir(name: str, dir_fd: int | None = None) -> int:
     """A directory opened for ``*at`` calls, never through a link."""
     return os.open(name, _O_DIR, dir_fd=dir_fd)
+
+
+def open_block_folder(blocks_fd: int, name: str, *, create: bool) -> int:
+    """The block folder ``name`` under ``blocks/`` (``blocks_fd``), opened for ``*at``
+    calls and never through a link; made (0700) where absent if ``create``.
+    ``FileNotFoundError`` where absent, :class:`NotAFolder` where something else lies
+    there (another user who can write a shared folder may have put a link there: whatever
+    it points at is never written)."""
+    try:
+        return _open_folder(blocks_fd, name)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o700, dir_fd=blocks_fd)
+    except FileExistsError:
+        pass  # made meanwhile by another writer (or something else: refused below)
+    return _open_folder(blocks_fd, name)
+
+
+def _open_folder(blocks_fd: int, name: str) -> int:
+    try:
+        return open_dir(name, blocks_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotAFolder(
+                exc.errno, f"blocks/{name} is not a folder of the store (a link or a file)"
+            ) from None
+        raise
 
 
 def unlink_in(root_fd: int, relative: str, inode: int | None = None) -> bool:
@@ -178,11 +214,3 @@ def read_hashing(fd: int, parts: Sequence[memoryview], offset: int, hasher: Any)
             size += piece.nbytes
     if group:
         flush()
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

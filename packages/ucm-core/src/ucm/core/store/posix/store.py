@@ -53,8 +53,8 @@ from ucm.core.store.posix.fileio import (
     O_DIRECT,
     Bounce,
     NotABlock,
-    fsync_dir,
     open_block,
+    open_block_folder,
     open_dir,
     pread_into,
     pwrite_all,
@@ -105,6 +105,9 @@ class PosixStore(Store):
         self.root = check_store_folder(path, shared=self.config.shared)
         self._root_fd = open_dir(self.root)
         self._blocks_dir = os.path.join(self.root, BLOCKS_DIR)
+        #: blocks/, opened once it is known to be a folder: every block's folder and file is
+        #: reached from it with *at calls, never by a path another user could redirect
+        self._blocks_fd = -1
         self._usage: SharedUsage | None = None
         self._writer: tuple[str, int] | None = None  # this process's id and lock as a writer
         self._limit = self.config.capacity_bytes  # 'auto' worked out once, here
@@ -122,6 +125,8 @@ class PosixStore(Store):
                 self._usage.close()
             if self._writer is not None:
                 unregister_writer(self._root_fd, *self._writer)
+            if self._blocks_fd >= 0:
+                os.close(self._blocks_fd)
             os.close(self._root_fd)
             raise
         if self._read_only:
@@ -151,7 +156,10 @@ class PosixStore(Store):
             self._counted.set()
         # read before this process can publish a block: what it publishes from now on is
         # in the count's change, not in what the scan finds (_published_before_scan)
-        before = self._usage.read() if self._usage is not None else (0, 0)
+        try:
+            before = self._usage.read() if self._usage is not None else (0, 0)
+        except TimeoutError:  # held by a stopped process: the count was not fresh either
+            before = (0, 0)
         store_thread(self._initial_scan, "ucm-posix-scan", args=(before,)).start()
         # Keeps room ahead of the writers, so that a dump rarely waits for an eviction pass.
         self._evictor: threading.Event | None = None
@@ -198,6 +206,7 @@ class PosixStore(Store):
                 f"{stat.S_IMODE(st.st_mode):04o}) is not a folder that only you can write; "
                 "remove it, or see docs/security.md",
             )
+        self._blocks_fd = open_dir(BLOCKS_DIR, self._root_fd)
         self._read_only = self._read_only or self._usage is None
 
     # -- helpers --
@@ -210,8 +219,9 @@ class PosixStore(Store):
     def _eviction_names(self, keys: Sequence[bytes]) -> list[Hashable]:
         return [self._file_name(bytes(k)) for k in keys]
 
-    def _path(self, name: str) -> str:
-        return f"{self._blocks_dir}/{name[:2]}/{name}"
+    def _relative(self, name: str) -> str:
+        """A block's path under ``blocks/`` (for *at calls on ``_blocks_fd``)."""
+        return f"{name[:2]}/{name}"
 
     def _initial_scan(self, before: tuple[int, int]) -> None:
         usage = self._usage
@@ -422,9 +432,25 @@ class PosixStore(Store):
 
     def _dump_one(self, task: Task, key: bytes, payload: Payload, layout: bytes) -> KeyResult:
         name = self._file_name(key)
-        final = self._path(name)
-        if self._present(final):
+        if self._present(name):
             return OK  # content-addressed: the same key holds the same bytes
+        try:
+            # the block's folder, reached from blocks/ without following a link: a link
+            # there (another user who can write a shared folder) redirects nothing
+            folder = open_block_folder(self._blocks_fd, name[:2], create=True)
+        except OSError as exc:
+            self._count_error()
+            return KeyResult(Status.ERROR, f"cannot write block {name}: {exc.strerror or exc}")
+        try:
+            return self._dump_into(task, key, name, folder, payload, layout)
+        finally:
+            os.close(folder)
+
+    def _dump_into(
+        self, task: Task, key: bytes, name: str, folder: int, payload: Payload, layout: bytes
+    ) -> KeyResult:
+        """Write one block into its folder (``folder``, a descriptor): a temporary file,
+        then a rename over the block's name, both relative to it."""
         size = HEADER_BYTES + payload.nbytes
         if self._direct:
             size = round_up(size)
@@ -432,22 +458,17 @@ class PosixStore(Store):
         if problem:
             self._count_error()
             return KeyResult(Status.ERROR, problem)
-        directory = os.path.dirname(final)
         assert self._writer is not None  # a store that can be written has one
-        tmp = os.path.join(directory, f".{name}~{self._writer[0]}.tmp")
+        tmp = f".{name}~{self._writer[0]}.tmp"
         published = False
         fd = -1
         try:
             parts = payload.parts  # taken once: a deferred payload makes them on each take
             header = encode_header(key, parts, layout, self._signer)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | os.O_NOFOLLOW
             if self._direct:
                 flags |= O_DIRECT
-            try:
-                fd = os.open(tmp, flags, 0o600)
-            except FileNotFoundError:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
-                fd = os.open(tmp, flags, 0o600)
+            fd = os.open(tmp, flags, 0o600, dir_fd=folder)
             if self._direct:
                 buf = self._bounce.get(size)
                 buf[:HEADER_BYTES] = header
@@ -463,7 +484,7 @@ class PosixStore(Store):
             if task.cancelled:
                 # The caller may have taken its buffers back while they were being written:
                 # what the file holds is not known to be the payload.
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=folder)
                 return CANCELLED
             with self._lock:
                 # Before the rename: a first scan that sees the file must know that this
@@ -475,7 +496,7 @@ class PosixStore(Store):
             assert self._usage is not None
             stored = self._usage.add(size, 1)[0]
             try:
-                os.rename(tmp, final)
+                os.rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
             except BaseException:
                 self._usage.add(-size, -1)
                 raise
@@ -484,13 +505,13 @@ class PosixStore(Store):
                 self._evictor.set()
             published = True
             if self.config.fsync == "full":
-                fsync_dir(directory)
+                os.fsync(folder)
             return OK
         except OSError as exc:
             self._count_error()
             if not published:
                 try:
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=folder)
                 except OSError:
                     pass
             return KeyResult(Status.ERROR, f"cannot write block {name}: {exc.strerror or exc}")
@@ -499,11 +520,13 @@ class PosixStore(Store):
                 os.close(fd)
             self._release(size)
 
-    @staticmethod
-    def _present(path: str) -> bool:
-        """Whether a block file is at ``path`` (a link or anything else there is not one)."""
+    def _present(self, name: str) -> bool:
+        """Whether a block file is at block ``name``'s path (a link or anything else there is
+        not one; a hint, as a lookup is: a load walks the path again without links)."""
         try:
-            return stat.S_ISREG(os.lstat(path).st_mode)
+            return stat.S_ISREG(
+                os.stat(self._relative(name), dir_fd=self._blocks_fd, follow_symlinks=False).st_mode
+            )
         except OSError:
             return False
 
@@ -522,9 +545,15 @@ class PosixStore(Store):
         key and the size asked for, and reads go into ``out`` (or a bounce buffer of its
         size)."""
         name = self._file_name(key)
-        path = self._path(name)
         try:
-            fd, st = open_block(path, O_DIRECT if self._direct else 0)
+            folder = open_block_folder(self._blocks_fd, name[:2], create=False)
+        except FileNotFoundError:
+            return MISS
+        except OSError as exc:
+            self._count_error()
+            return KeyResult(Status.ERROR, f"cannot open block {name}: {exc.strerror or exc}")
+        try:
+            fd, st = open_block(name, O_DIRECT if self._direct else 0, dir_fd=folder)
         except FileNotFoundError:
             return MISS
         except NotABlock as exc:
@@ -535,6 +564,8 @@ class PosixStore(Store):
         except OSError as exc:
             self._count_error()
             return KeyResult(Status.ERROR, f"cannot open block {name}: {exc.strerror}")
+        finally:
+            os.close(folder)
         with self._lock:
             self._reading[name] += 1
         try:
@@ -619,7 +650,7 @@ class PosixStore(Store):
     # -- the rest --
 
     def _exists(self, key: bytes) -> bool:
-        return self._present(self._path(self._file_name(key)))
+        return self._present(self._file_name(key))
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         check_keys(keys)
@@ -682,4 +713,5 @@ class PosixStore(Store):
                 self._usage.close()
             if self._writer is not None:
                 unregister_writer(self._root_fd, *self._writer)
+            os.close(self._blocks_fd)
             os.close(self._root_fd)

@@ -50,7 +50,14 @@ def peek(root: str) -> tuple[int, int]:
 
 
 class SharedUsage:
-    """The shared count of one store (opened in the store's folder ``root_fd``)."""
+    """The shared count of one store (opened in the store's folder ``root_fd``).
+
+    Each thread takes the count's ``flock`` through a descriptor of its own (an ``flock``
+    excludes other open files, not the threads sharing one), so the kernel orders this
+    process's threads as it orders other processes, and no thread waits for the lock while
+    holding one of this process's: a holder stopped (SIGSTOP, a frozen container) costs one
+    wait of :data:`LOCK_WAIT_S`, after which every call fails at once until the count is
+    had again, instead of each key of a dump waiting its turn to wait."""
 
     def __init__(self, root_fd: int) -> None:
         self._fd = os.open(USAGE_FILE, _FLAGS, 0o600, dir_fd=root_fd)
@@ -59,27 +66,56 @@ class SharedUsage:
         except BaseException:
             os.close(self._fd)
             raise
-        # flock excludes other open files, not this process's threads
-        self._thread_lock = threading.Lock()
+        self._root_fd = root_fd
+        self._local = threading.local()
+        self._thread_fds: list[int] = []
+        self._fds_lock = threading.Lock()
+        self._closed = False
+        #: a wait for the count ran out: later calls try once, without waiting, until one
+        #: has it (a stopped holder would otherwise cost every call the whole wait)
+        self._stuck = False
         self._evict_lock = threading.Lock()
-        with self._locked():
-            #: whether no process has counted the store yet (a new file, or one cut short)
-            self.fresh = os.fstat(self._fd).st_size < _COUNT.size
-            if self.fresh:
-                os.pwrite(self._fd, _COUNT.pack(0, 0), 0)
+        #: whether no process has counted the store yet (a new file, or one cut short)
+        self.fresh = False
+        try:
+            with self._locked():
+                self.fresh = os.fstat(self._fd).st_size < _COUNT.size
+                if self.fresh:
+                    os.pwrite(self._fd, _COUNT.pack(0, 0), 0)
+        except TimeoutError:  # start anyway: dumps fail, with this reason, until it is had
+            pass
+
+    def _thread_fd(self) -> int:
+        fd: int | None = getattr(self._local, "fd", None)
+        if fd is None:
+            with self._fds_lock:
+                if self._closed:
+                    raise ValueError("the store's usage count is closed")
+                fd = os.open(USAGE_FILE, _FLAGS, 0o600, dir_fd=self._root_fd)
+                if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
+                    os.close(fd)  # replaced since the store opened it: not our count
+                    raise OSError(errno.ESTALE, "the store's usage file was replaced")
+                self._thread_fds.append(fd)
+            self._local.fd = fd
+        return fd
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
         # Held for a read and a write of 16 bytes: microseconds.  Still bounded: a holder
         # stopped (SIGSTOP, a frozen container) must not stop every writer of the store.
-        with self._thread_lock:
-            if self._fd < 0:
-                raise ValueError("the store's usage count is closed")
-            _lock_within(self._fd, LOCK_WAIT_S, "the store's usage count")
-            try:
-                yield
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._closed:
+            raise ValueError("the store's usage count is closed")
+        fd = self._thread_fd()
+        try:
+            _lock_within(fd, 0.0 if self._stuck else LOCK_WAIT_S, "the store's usage count", self)
+        except TimeoutError:
+            self._stuck = True
+            raise
+        self._stuck = False
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _read(self) -> tuple[int, int]:
         data = os.pread(self._fd, _COUNT.size, 0)
@@ -139,7 +175,7 @@ class SharedUsage:
             return
         try:
             try:
-                _lock_within(self._evicting, deadline - time.monotonic(), "an eviction pass")
+                _lock_within(self._evicting, deadline - time.monotonic(), "an eviction pass", None)
             except TimeoutError:
                 yield False
                 return
@@ -151,15 +187,18 @@ class SharedUsage:
             self._evict_lock.release()
 
     def close(self) -> None:
-        with self._thread_lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                os.close(self._evicting)
-                self._fd = -1
+        with self._fds_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in (self._fd, self._evicting, *self._thread_fds):
+                os.close(fd)
+            self._thread_fds = []
 
 
-def _lock_within(fd: int, seconds: float, what: str) -> None:
-    """``flock`` ``fd`` exclusively, waiting at most ``seconds`` (``TimeoutError``)."""
+def _lock_within(fd: int, seconds: float, what: str, usage: SharedUsage | None) -> None:
+    """``flock`` ``fd`` exclusively, waiting at most ``seconds`` (``TimeoutError``), or
+    until another thread's wait on ``usage`` ran out."""
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -168,6 +207,10 @@ def _lock_within(fd: int, seconds: float, what: str) -> None:
         except OSError as exc:
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what} stayed locked by another process for {seconds:g} s")
+        if time.monotonic() >= deadline or (usage is not None and usage._stuck):
+            raise TimeoutError(
+                f"{what} stayed locked by another process past {LOCK_WAIT_S:g} s (a process "
+                "stopped while holding it, or a slow shared mount); nothing is stored "
+                "until it is free"
+            )
         time.sleep(0.001)

@@ -1,0 +1,397 @@
+"""The host tier's rules under faults, one test per rule, each with real processes where a
+process is what fails: no walk of the index outlasts its bound, no wait for a lock outlasts
+its deadline (opening included), a slot being written is never handed to another writer
+while its writer lives (whatever its pid means where the question is asked), a load serves
+a block only from the slot holding its key, a busy store answers lookups with misses, and
+a file cut short by another process is refused, not a SIGBUS."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from ucm.core.config import DramStoreConfig, PosixStoreConfig, TieredStoreConfig
+from ucm.core.settings import GIB, ConfigError
+from ucm.core.store import PosixStore, SharedMemoryStore, Status, create_store
+from ucm.core.store.dram import arena as arena_module
+from ucm.core.store.dram.index import EMPTY, TOMB
+from ucm.lab.testing.core import blob, key
+
+CHILD_TIMEOUT = 60
+BLOCK = 4096
+CAP = (1 << 20) / GIB  # the children's stores: 1 MiB, 256 slots of 4 KiB
+
+
+def open_store(root, capacity_bytes: int = 1 << 20, block: int = BLOCK) -> SharedMemoryStore:
+    store = SharedMemoryStore(DramStoreConfig(path=str(root), capacity_gb=capacity_bytes / GIB))
+    store.check_block_bytes(block)
+    return store
+
+
+def run_child(script: str, *args: str, timeout: float = CHILD_TIMEOUT, prefix=()):
+    """Run ``script`` (Python) in a fresh interpreter; its completed process (a hang past
+    ``timeout`` fails the test)."""
+    try:
+        return subprocess.run(
+            [*prefix, sys.executable, "-c", textwrap.dedent(script), *args],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the child did not finish within {timeout} s: a wait without a bound")
+
+
+def holder(folder, then: str) -> subprocess.Popen:
+    """A process of the store at ``folder`` that takes the arena's lock, says "holding",
+    then runs ``then`` (Python, with ``arena``, ``os`` and ``time`` at hand) holding it."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from ucm.core.config import DramStoreConfig
+        from ucm.core.store import SharedMemoryStore
+        store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
+        store.check_block_bytes({BLOCK})
+        arena = store._arena
+        with arena.locked():
+            {then}
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(folder)],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def end(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGCONT)
+    proc.kill()
+    proc.wait()
+
+
+def flip_every_stored_block(arena) -> None:
+    """One payload byte of every stored block flipped where it lies (as a co-tenant's bug,
+    a late copy or a bit flip would)."""
+    arena.map_data()
+    for s in arena.ready_slots():
+        view = arena.slot(s, 1)
+        view[0] ^= 0xFF
+
+
+# -- every walk of the index has a bound, and tombstones never pile up --
+
+
+def test_corrupt_blocks_dropped_round_after_round_leave_the_index_its_empty_buckets(shm_dir):
+    # 1 MiB of 4 KiB blocks: 256 slots, 512 buckets.  Each round stores 200 blocks, damages
+    # them and loads them: each load drops its block (a tombstone).  Without a rebuild where
+    # they are dropped, the tombstones eat the EMPTY buckets where probes stop, until a dump
+    # walks the index for ever holding the lock (24-40 rounds).
+    store = open_store(shm_dir)
+    arena = store._arena
+    buckets = arena.geometry.buckets
+    try:
+        for r in range(40):
+            keys = [key(i, salt=b"round%d" % r) for i in range(200)]
+            dumped = store.wait(store.dump(keys, [blob(i, BLOCK) for i in range(200)]), 30)
+            assert all(d.ok for d in dumped), (r, dumped[0])
+            flip_every_stored_block(arena)
+            loaded = store.wait(store.load(keys, [bytearray(BLOCK) for _ in keys]), 30)
+            assert {d.status for d in loaded} == {Status.CORRUPT}, r
+            empty = int((arena.np["islot"] == EMPTY).sum())
+            assert empty >= buckets // 4, f"round {r}: {empty} of {buckets} buckets EMPTY"
+        with arena.locked():
+            assert arena.check() == []
+    finally:
+        store.close()
+
+
+def test_an_index_without_an_empty_bucket_is_walked_within_its_bound_and_rebuilt(shm_dir):
+    # Another process's bug (or a bit flip) can leave no EMPTY bucket at all: every call must
+    # still return, and the first holder of the lock rebuilds the index from the slots.
+    store = open_store(shm_dir)
+    keys = [key(i) for i in range(10)]
+    assert all(d.ok for d in store.wait(store.dump(keys, [blob(i, BLOCK) for i in range(10)])))
+    store.close()
+    done = run_child(
+        f"""
+        import sys, numpy as np
+        from ucm.core.config import DramStoreConfig
+        from ucm.core.store import SharedMemoryStore
+        from ucm.lab.testing.core import blob, key
+        store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
+        store.check_block_bytes({BLOCK})
+        store._arena.np["islot"][:] = {TOMB}  # every bucket a tombstone
+        print(store.lookup([key(0), key(99)]))
+        print([r.status.name for r in store.wait(store.dump([key(99)], [blob(99, {BLOCK})]), 30)])
+        out = [bytearray({BLOCK}) for _ in range(11)]
+        got = store.wait(store.load([key(i) for i in range(10)] + [key(99)], out), 30)
+        print([r.status.name for r in got])
+        print(all(bytes(o) == blob(i, {BLOCK}).tobytes() for i, o in enumerate(out[:10])))
+        store.close()
+        """,
+        str(shm_dir),
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[False, False]"  # the damaged index finds nothing: misses
+    # the dump's hold of the lock rebuilt it from the slots: every block is found again
+    assert lines[1:] == ["['OK']", str(["OK"] * 11), "True"]
+
+
+# -- every wait for a lock has a deadline, opening included --
+
+
+def test_a_new_engine_starts_while_a_stopped_process_holds_the_lock(shm_dir):
+    store = open_store(shm_dir)
+    assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
+    store.close()
+    stopped = holder(shm_dir, "print('holding', flush=True); os.kill(os.getpid(), 19)")
+    try:
+        started = time.monotonic()
+        done = run_child(
+            f"""
+            import sys
+            from ucm.core.config import DramStoreConfig
+            from ucm.core.store import SharedMemoryStore
+            from ucm.lab.testing.core import blob, key
+            store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
+            store.check_block_bytes({BLOCK})  # an engine's start-up
+            print(store.wait(store.dump([key(2)], [blob(2, {BLOCK})]), 30)[0].status.name)
+            print(store.lookup([key(1), key(2)]))
+            store.close()
+            """,
+            str(shm_dir),
+        )
+        took = time.monotonic() - started
+    finally:
+        end(stopped)
+    assert done.returncode == 0, done.stderr
+    assert "cannot open the arena yet" in done.stderr and "stopped" in done.stderr
+    assert done.stdout.splitlines() == ["ERROR", "[True, False]"]
+    assert took < 30, took  # the bounds (2 s each), not the holder, decide
+
+
+def test_a_busy_host_tier_answers_a_tiered_lookup_with_the_disk_s_hits(shm_dir, tmp_path):
+    # A process stopped in the middle of changing the index (its sequence word odd): the
+    # front answers "not here" within a lookup's short wait, and the disk's hits still count.
+    keys = [key(i) for i in range(4)]
+    disk = PosixStore(PosixStoreConfig(path=str(tmp_path / "disk")))
+    assert all(r.ok for r in disk.wait(disk.dump(keys, [blob(i, BLOCK) for i in range(4)]), 30))
+    disk.close()
+    config = TieredStoreConfig(
+        dram=DramStoreConfig(path=str(shm_dir), capacity_gb=(1 << 20) / GIB),
+        backing=PosixStoreConfig(path=str(tmp_path / "disk")),
+    )
+    tiered = create_store(config)
+    try:
+        tiered.check_block_bytes(BLOCK)
+        stopped = holder(
+            shm_dir,
+            f"arena._sb[{arena_module.SB_SEQ}] += 1; print('holding', flush=True); "
+            "os.kill(os.getpid(), 19)",
+        )
+        try:
+            started = time.monotonic()
+            assert tiered.lookup_prefix(keys) == 4
+            assert tiered.lookup(keys) == [True] * 4
+            assert time.monotonic() - started < 1.5  # two lookups, not two lock waits
+        finally:
+            end(stopped)
+    finally:
+        tiered.close()
+
+
+# -- a slot being written is its writer's until it ends or dies --
+
+
+def test_a_copy_that_lands_late_is_never_sealed_under_another_key(shm_dir):
+    # Writer A reserves slots and its copy is late (a stuck DMA, a stopped process); long
+    # past any lease, writer B needs room.  B must not get A's slots: A's late bytes would
+    # be sealed and published under B's keys, and load as OK on every engine of the host.
+    slots = 16
+    a = open_store(shm_dir, capacity_bytes=slots * BLOCK)
+    b = open_store(shm_dir, capacity_bytes=slots * BLOCK)
+    try:
+        late = a.open_writes([key(i, b"a") for i in range(4)], BLOCK)
+        assert all(v is not None for v in late.views)
+        arena = a._arena
+        taken = np.flatnonzero(arena.np["state"] == arena_module.WRITING)
+        arena.np["lease"][taken] = 1  # long ago, as far as any clock is concerned
+        mine = [key(i, b"b") for i in range(slots)]
+        writes = b.open_writes(mine, BLOCK)
+        for i, view in enumerate(writes.views):
+            if view is not None:
+                view[:] = blob(100 + i, BLOCK).tobytes()
+        for view in late.views:  # A's copy lands now
+            view[:] = b"\xaa" * BLOCK
+        results = b.wait(writes.commit(), 30)
+        out = [bytearray(BLOCK) for _ in mine]
+        loaded = b.wait(b.load(mine, out), 30)
+        for i, (r, got) in enumerate(zip(loaded, out)):
+            if r.ok:
+                assert bytes(got) == blob(100 + i, BLOCK).tobytes(), f"key {i} holds A's bytes"
+        assert sum(r.ok for r in results) == slots - 4  # A's four slots stayed A's
+        assert all(r.ok for r in a.wait(late.commit(), 30))
+        out = [bytearray(BLOCK) for _ in range(4)]
+        assert all(r.ok for r in a.wait(a.load([key(i, b"a") for i in range(4)], out), 30))
+        assert all(bytes(o) == b"\xaa" * BLOCK for o in out)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_writers_slots_are_reclaimed_without_waiting_for_any_lease(shm_dir):
+    slots = 16
+    open_store(shm_dir, capacity_bytes=slots * BLOCK).close()
+    done = run_child(
+        f"""
+        import os, sys
+        from ucm.core.config import DramStoreConfig
+        from ucm.core.store import SharedMemoryStore
+        from ucm.lab.testing.core import key
+        config = DramStoreConfig(path=sys.argv[1], capacity_gb={slots * BLOCK / GIB!r})
+        store = SharedMemoryStore(config)
+        writes = store.open_writes([key(i, b"dead") for i in range({slots})], {BLOCK})
+        assert all(v is not None for v in writes.views)
+        os.kill(os.getpid(), 9)  # killed mid-copy: every slot of the arena reserved
+        """,
+        str(shm_dir),
+    )
+    assert done.returncode == -9, done.stderr
+    store = open_store(shm_dir, capacity_bytes=slots * BLOCK)
+    try:
+        assert store._arena.stats()["writing"] == slots
+        keys = [key(i) for i in range(slots)]
+        results = store.wait(store.dump(keys, [blob(i, BLOCK) for i in range(slots)]), 30)
+        assert all(r.ok for r in results), results[0]
+        assert store._arena.stats()["writing"] == 0
+    finally:
+        store.close()
+
+
+def _unshare_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs root and unshare --pid")
+def test_a_live_writer_keeps_its_slots_through_a_recovery_in_another_pid_namespace(shm_dir):
+    # Two containers share /dev/shm.  Our writer (this process) has slots reserved when a
+    # process dies inside the lock; the next holder, in another PID namespace, mends the
+    # books.  Our pid means nothing there: the writer's lock must decide, and it is held.
+    store = open_store(shm_dir)
+    try:
+        mine = [key(i, b"live") for i in range(4)]
+        writes = store.open_writes(mine, BLOCK)
+        killed = holder(shm_dir, f"arena._sb[{arena_module.SB_FREE_TOP}] -= 1; "
+                                 "print('holding', flush=True); time.sleep(600)")  # fmt: skip
+        killed.kill()
+        killed.wait()
+        done = run_child(
+            f"""
+            import os, sys
+            from ucm.core.config import DramStoreConfig
+            from ucm.core.store import SharedMemoryStore
+            from ucm.lab.testing.core import blob, key
+            store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
+            keys = [key(i, b"other") for i in range(200)]
+            got = store.wait(store.dump(keys, [blob(i, {BLOCK}) for i in range(200)]), 30)
+            assert all(r.ok for r in got), got[0]
+            print(os.getpid(), store._arena.stats()["recoveries"])
+            store.close()
+            """,
+            str(shm_dir),
+            prefix=("unshare", "--pid", "--fork"),
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["1", "1"]  # pid 1 of its namespace; it recovered
+        for i, view in enumerate(writes.views):
+            view[:] = blob(50 + i, BLOCK).tobytes()
+        assert all(r.ok for r in store.wait(writes.commit(), 30))
+        out = [bytearray(BLOCK) for _ in mine]
+        assert all(r.ok for r in store.wait(store.load(mine, out), 30))
+        assert all(bytes(o) == blob(50 + i, BLOCK).tobytes() for i, o in enumerate(out))
+    finally:
+        store.close()
+
+
+# -- a load checks the key in the slot, signed or not --
+
+
+def test_an_index_entry_pointing_at_another_block_serves_nothing(shm_dir):
+    store = open_store(shm_dir)
+    try:
+        keys = [key(1), key(2)]
+        assert all(r.ok for r in store.wait(store.dump(keys, [blob(1, BLOCK), blob(2, BLOCK)])))
+        arena = store._arena
+        w1, w2 = store._words(keys)
+        with arena.locked():  # a same-user bug redirects key 1's entry to key 2's slot
+            b1, b2 = arena._index.find(*w1), arena._index.find(*w2)
+            arena._islot[b1] = arena._islot[b2]
+        out = bytearray(BLOCK)
+        assert store.wait(store.load(keys[:1], [out]))[0].status is Status.MISS
+        assert bytes(out) == bytes(BLOCK)
+        assert store.lookup(keys) == [False, True]
+    finally:
+        store.close()
+
+
+# -- a file cut short is refused, not a SIGBUS --
+
+
+def test_an_arena_cut_short_by_another_process_fails_loudly_not_with_sigbus(shm_dir):
+    store = open_store(shm_dir)
+    keys = [key(i) for i in range(8)]
+    assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, BLOCK) for i in range(8)])))
+    store.close()
+    done = run_child(
+        f"""
+        import os, sys
+        from ucm.core.config import DramStoreConfig
+        from ucm.core.store import SharedMemoryStore
+        from ucm.lab.testing.core import blob, key
+        store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
+        store.check_block_bytes({BLOCK})
+        arena = store._arena
+        os.truncate(os.path.join(sys.argv[1], "arena"), arena.geometry.meta_bytes)
+        keys = [key(i) for i in range(8)]
+        print(store.lookup(keys))
+        got = store.wait(store.load(keys, [bytearray({BLOCK}) for _ in keys]), 30)
+        print(sorted({{r.status.name for r in got}}), got[0].detail)
+        print(store.wait(store.dump([key(9)], [blob(9, {BLOCK})]), 30)[0].status.name)
+        """,
+        str(shm_dir),
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)  # -7 were a SIGBUS
+    lines = done.stdout.splitlines()
+    assert lines[0] == str([False] * 8)
+    assert lines[1].startswith("['ERROR']") and "shorter than its geometry" in lines[1]
+    assert lines[2] == "ERROR"
+
+
+# -- what lies at the store's path --
+
+
+@pytest.mark.parametrize("what", ["file", "fifo", "dangling link"])
+def test_something_else_at_the_store_path_is_refused_with_what_it_is_and_the_fix(shm_dir, what):
+    if what == "file":
+        shm_dir.write_bytes(b"")
+    elif what == "fifo":
+        os.mkfifo(shm_dir)
+    else:
+        os.symlink(str(shm_dir) + "-nowhere", shm_dir)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            SharedMemoryStore(DramStoreConfig(path=str(shm_dir), capacity_gb=0.001))
+        assert caught.value.key == "store.path"
+        message = str(caught.value)
+        assert str(shm_dir) in message and "remove it" in message, message
+    finally:
+        os.unlink(shm_dir)
