@@ -387,6 +387,17 @@ def bench_scale(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def stress(session: nox.Session) -> None:
+    """The stores' fault harness: processes (two PID namespaces, another user, as root)
+    share one host-tier arena and one shared posix folder under random kills, stops and
+    flipped bytes for 10 minutes (``-- --seconds N --seed S``); prints the counts, fails on
+    a wrong byte, a call past its bound, a slot held past its writer or a store past its
+    capacity."""
+    session.install("-e", CORE, "-e", LAB)
+    session.run("python", "-m", "ucm.lab.core.stress", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def bench_kernels(session: nox.Session) -> None:
     """Gather/scatter kernels against a large copy and an index_select loop."""
     session.install(TORCH)
