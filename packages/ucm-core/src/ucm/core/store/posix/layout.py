@@ -164,16 +164,19 @@ def scan_store(
     stale_temp_seconds: float = 3600.0,
     remove_temps: bool = True,
     folders: Collection[str] | None = None,
+    blocks: bool = True,
 ) -> ScanResult:
     """Every block file under ``root``, or in the block folders named ``folders`` (``ab``
     of ``blocks/ab``: a sample of the store); removes stale temporary files on the way
-    (unless ``remove_temps`` is false: a read-only store)."""
+    (unless ``remove_temps`` is false: a read-only store).  ``blocks`` false: only the
+    temporary files are looked at (no block is stat'ed or listed in the result: a start-up
+    that need not count the store lists its folders and nothing more)."""
     try:
         root_fd = open_dir(root)
     except (FileNotFoundError, NotADirectoryError):
         return ScanResult([], [], 0)
     try:
-        return _scan(root, root_fd, stale_temp_seconds, remove_temps, folders)
+        return _scan(root, root_fd, stale_temp_seconds, remove_temps, folders, blocks)
     finally:
         os.close(root_fd)
 
@@ -200,6 +203,7 @@ def _scan(
     stale_temp_seconds: float,
     remove_temps: bool,
     folders: Collection[str] | None = None,
+    want_blocks: bool = True,
 ) -> ScanResult:
     blocks: list[BlockFile] = []
     foreign: list[str] = []
@@ -244,7 +248,7 @@ def _scan(
                 continue
             try:
                 removed += _scan_folder(
-                    sub_fd, sub.name, sub_path, blocks, foreign,
+                    sub_fd, sub.name, sub_path, blocks if want_blocks else None, foreign,
                     now, host, stale_temp_seconds, remove_temps, writers_fd,
                 )  # fmt: skip
             finally:
@@ -271,7 +275,7 @@ def _scan_folder(
     sub_fd: int,
     sub_name: str,
     sub_path: str,
-    blocks: list[BlockFile],
+    blocks: list[BlockFile] | None,
     foreign: list[str],
     now: float,
     host: str,
@@ -282,6 +286,8 @@ def _scan_folder(
     removed = 0
     for entry in list(os.scandir(sub_fd)):
         name = entry.name
+        if blocks is None and not name.startswith("."):
+            continue  # a block (or foreign) file, and no count wanted: not even stat'ed
         try:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
@@ -297,6 +303,8 @@ def _scan_folder(
                     pass
             continue
         path = f"{sub_path}/{name}"
+        if blocks is None:
+            continue
         if is_block_name(name) and name[:2] == sub_name and entry.is_file(follow_symlinks=False):
             blocks.append(BlockFile(name, path, st.st_size, st.st_mtime_ns, st.st_ino))
         else:
@@ -441,27 +449,68 @@ def evict_lru(
     total = scan.bytes
     count = len(scan.blocks)
     pending = [0, 0]
-    for block in eviction_order(scan.blocks, skip):
-        if total <= target_bytes or (stop is not None and stop()):
-            break
-        try:
-            if not dry_run:
-                unlink_in(root_fd, block_relative(block.name), block.inode or None)
-        except OSError as exc:
-            log.warning("ucm posix store: cannot evict %s: %s", block.path, exc.strerror)
-            continue
-        total -= block.size
-        count -= 1
-        if names is not None:
-            names.append(block.name)
-        pending[0] += block.size
-        pending[1] += 1
-        if gone is not None and pending[1] >= GONE_EVERY:
-            gone(*pending)
-            pending = [0, 0]
+    folders = _PassFolders(root_fd)
+    try:
+        for block in eviction_order(scan.blocks, skip):
+            if total <= target_bytes or (stop is not None and stop()):
+                break
+            try:
+                if not dry_run:
+                    folders.unlink(block.name, block.inode or None)
+            except OSError as exc:
+                log.warning("ucm posix store: cannot evict %s: %s", block.path, exc.strerror)
+                continue
+            total -= block.size
+            count -= 1
+            if names is not None:
+                names.append(block.name)
+            pending[0] += block.size
+            pending[1] += 1
+            if gone is not None and pending[1] >= GONE_EVERY:
+                gone(*pending)
+                pending = [0, 0]
+    finally:
+        folders.close()
     if gone is not None and pending[1]:
         gone(*pending)
     return total, count
+
+
+class _PassFolders:
+    """The block folders one eviction pass removes from, each opened once (without following
+    a link) at its first removal: a removal is then a stat and an unlink relative to it,
+    not a walk of the path (six calls a block before)."""
+
+    def __init__(self, root_fd: int) -> None:
+        self._root_fd = root_fd
+        self._blocks = -1
+        self._open: dict[str, int] = {}
+
+    def unlink(self, name: str, inode: int | None) -> bool:
+        """Remove block ``name`` if it is still the file ``inode`` (None: whatever it is)."""
+        try:
+            folder = self._open.get(name[:2])
+            if folder is None:
+                if self._blocks < 0:
+                    self._blocks = open_dir(BLOCKS_DIR, self._root_fd)
+                folder = self._open[name[:2]] = open_dir(name[:2], self._blocks)
+            if (
+                inode is not None
+                and os.stat(name, dir_fd=folder, follow_symlinks=False).st_ino != inode
+            ):
+                return False
+            os.unlink(name, dir_fd=folder)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
+        if self._blocks >= 0:
+            os.close(self._blocks)
+        self._open.clear()
+        self._blocks = -1
 
 
 #: blocks an eviction pass removes between two reports of what it freed
