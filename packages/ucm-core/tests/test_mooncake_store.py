@@ -285,6 +285,32 @@ def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
             store.close()
 
 
+def test_a_killed_master_is_found_out_before_the_next_request(tmp_path):
+    """Requests come one at a time; the master dies between two of them.  The next request
+    waits for nothing: the store heard of the death from the connection it holds to the
+    master, before anybody asked it anything."""
+    from ucm.core.store.mooncake.store import MooncakeStore
+    from ucm.lab.mooncake import LocalMaster
+
+    with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
+        store = MooncakeStore(mooncake_config(master, timeout_s=2.0))
+        try:
+            keys = [key(i, b"next") for i in range(4)]
+            data = [blob(i, 50_000) for i in range(4)]
+            assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+            master.kill()
+            time.sleep(0.5)  # the gap between two requests
+            found, took = _timed(lambda: store.lookup(keys))
+            assert found == [False] * 4 and took < NO_WAIT, took
+            assert not store.connected and store.master_failures == 1
+            loaded, took = _timed(
+                lambda: store.wait(store.load(keys, [np.zeros_like(d) for d in data]), 5)
+            )
+            assert all(r.status is Status.MISS for r in loaded) and took < NO_WAIT, took
+        finally:
+            store.close()
+
+
 def test_a_dump_in_flight_when_the_master_dies_settles(tmp_path):
     from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster

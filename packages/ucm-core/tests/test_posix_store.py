@@ -270,3 +270,36 @@ def test_a_store_nobody_sized_takes_half_the_free_space_and_says_so(tmp_path, ca
     unlimited = PosixStore(PosixStoreConfig(path=str(tmp_path / "q"), capacity_gb=None))
     assert unlimited.usage().capacity_bytes is None
     unlimited.close()
+
+
+def test_blocks_another_process_removes_during_a_pass_are_not_counted_twice(tmp_path):
+    # A pass scans, then deletes the oldest blocks it found; another process removes some of
+    # them first (and takes them off the shared count itself).  The pass must count only
+    # what it removed: counting the others again left the count low, and the store then
+    # held more than its capacity (seen by the fault harness).
+    from ucm.core.store.posix.layout import evict_lru
+
+    a = PosixStore(PosixStoreConfig(path=str(tmp_path / "s")))
+    b = PosixStore(PosixStoreConfig(path=str(tmp_path / "s")))
+    try:
+        keys = [i.to_bytes(16, "little") for i in range(40)]
+        for k in keys:  # one at a time: their mtimes are their order
+            assert a.wait(a.dump([k], [bytes(1000)]))[0].ok
+            time.sleep(0.002)
+        scan = scan_store(a.root)
+        size = scan.blocks[0].size
+        assert b.remove(keys[:10]) == 10  # the oldest ten, gone before the pass reaches them
+        gone: list[int] = []
+
+        def given_back(nbytes: int, n: int) -> None:  # as the store's own passes do
+            a._usage.add(-nbytes, -n)
+            gone.append(n)
+
+        evict_lru(scan, 25 * size, a._root_fd, gone=given_back)
+        on_disk = len(scan_store(a.root).blocks)
+        assert sum(gone) == 40 - 10 - on_disk  # what this pass removed, no more
+        assert a.usage().blocks == on_disk  # the shared count agrees with the disk
+        assert os.path.isdir(tmp_path / "s" / "blocks")
+    finally:
+        a.close()
+        b.close()

@@ -98,12 +98,13 @@ def test_a_killed_master_costs_b_nothing_and_a_new_one_is_used(
     outs = run["outputs"]
     assert all(o["num_cached_tokens"] >= 1024 for o in outs[:KILLED_AT])  # hits before
     assert all(o["num_cached_tokens"] == 0 for o in outs[KILLED_AT:RESTARTED_AT])
-    # After the first failure no request waits on the dead master: what a request costs
-    # over the same request served without the connector (full prefill both times).
-    after_first = range(KILLED_AT + 1, RESTARTED_AT)
-    added = [outs[i]["seconds"] - reference["outputs"][i]["seconds"] for i in after_first]
+    # No request waits on the dead master, not even the first after its death (the store
+    # heard of it from the connection it holds): what a request costs over the same
+    # request served without the connector (full prefill both times).
+    dead = range(KILLED_AT, RESTARTED_AT)
+    added = [outs[i]["seconds"] - reference["outputs"][i]["seconds"] for i in dead]
     print("added seconds per request with the master dead:", [round(a, 4) for a in added])
-    assert max(added) < 2.0, added  # not one waited on the master
+    assert max(added) < 2.0, added  # not one waited on the master (timeout_s is 4)
     # The new master: Z's blocks are stored by its first request and hit by a repeat.
     assert any(o["num_cached_tokens"] >= 768 for o in outs[RESTARTED_AT + 1 : -1]), [
         o["num_cached_tokens"] for o in outs[RESTARTED_AT:]
@@ -142,10 +143,10 @@ def test_the_leader_killed_while_b_serves_costs_nothing_and_the_new_one_is_used(
     assert outs[1]["num_cached_tokens"] >= 768  # X's shared prefix, through the old leader
     if sum(o["seconds"] for o in outs[KILLED_AT:RESTARTED_AT]) < 8:  # all before a new leader
         assert all(o["num_cached_tokens"] == 0 for o in outs[KILLED_AT:RESTARTED_AT])
-    after_first = range(KILLED_AT + 1, RESTARTED_AT)
-    added = sorted(outs[i]["seconds"] - reference["outputs"][i]["seconds"] for i in after_first)
-    print("added seconds per request after the first failure:", [round(a, 4) for a in added])
-    assert added[-1] < 2.0, added  # not one waited on the dead leader (timeout_s is 4)
+    dead = range(KILLED_AT, RESTARTED_AT)
+    added = [outs[i]["seconds"] - reference["outputs"][i]["seconds"] for i in dead]
+    print("added seconds per request after the kill:", [round(a, 4) for a in added])
+    assert max(added) < 2.0, added  # not one waited on the dead leader (timeout_s is 4)
     # New dumps land on the new leader: Z's blocks, stored by its first request, hit.
     assert any(o["num_cached_tokens"] >= 768 for o in outs[RESTARTED_AT + 1 : -1]), [
         o["num_cached_tokens"] for o in outs[RESTARTED_AT:]

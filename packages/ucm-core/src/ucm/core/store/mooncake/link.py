@@ -7,6 +7,13 @@ after the first failure, lookups answer miss and dumps are dropped (counted) at 
 no call made, until a background probe hears from the master again.  A master restarted
 with empty metadata is used again as soon as it answers (the client re-registers itself);
 the blocks it held are gone and read as misses.
+
+Not even the first request after a death waits: while the master is up, a watch thread
+holds an idle TCP connection to it (to the leader, when highly available), which the
+master's kernel resets the moment the master dies (seen: 10 ms after a SIGKILL).  The
+watch then knocks; a master that no longer accepts is taken as down before any request
+asks it anything.  A master whose host vanishes sends nothing: TCP keepalives find that
+out within seconds, and a lookup's own ``timeout_s`` bounds the calls made meanwhile.
 """
 
 from __future__ import annotations
@@ -72,6 +79,9 @@ class MasterLink:
         self.failures = 0  # times the master was taken as down
         self._thread = store_thread(self._run, "ucm-mooncake-link")
         self._thread.start()
+        self._watching: socket.socket | None = None
+        self._watcher = store_thread(self._watch, "ucm-mooncake-watch")
+        self._watcher.start()
 
     @property
     def client(self) -> Any:
@@ -144,6 +154,36 @@ class MasterLink:
             else:
                 self._sleep()
 
+    def _watch(self) -> None:
+        """While the master answers, hold a connection to it; when the master closes or
+        resets it, knock: a master that does not accept is taken as down at once."""
+        while True:
+            with self._lock:
+                while not self._up and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+            master = self._knock()
+            conn = _watch_connection(master) if master is not None else None
+            if conn is None:
+                self.failed("it stopped accepting connections")
+                continue
+            self._watching = conn
+            try:
+                while self._up and not self._closed:
+                    try:
+                        if not conn.recv(64):
+                            break  # closed by the master: dead, restarting, or idle-closed
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        break  # reset: its process died
+            finally:
+                self._watching = None
+                conn.close()
+            if self._up and not self._closed and self._knock() is None:
+                self.failed("its connection was reset and it no longer accepts one")
+
     def _sleep(self) -> None:
         self._wake.wait(self.config.probe_interval_s)
         self._wake.clear()
@@ -204,6 +244,12 @@ class MasterLink:
             self._up = False
             self._changed.notify_all()
         self._wake.set()
+        watching = self._watching
+        if watching is not None:
+            try:
+                watching.shutdown(socket.SHUT_RDWR)  # wakes the watch thread's recv
+            except OSError:
+                pass
         if self._client is None:
             return
         if up and not self.config.highly_available:
@@ -221,6 +267,21 @@ def _abandon(client: Any) -> None:
     process (a joinable std::thread destroyed).  There is nothing to unmount from a dead
     master; the reference taken here is never given back."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
+
+
+def _watch_connection(master: tuple[str, int]) -> socket.socket | None:
+    """An idle connection to the master, or None where it is refused.  Keepalives find a
+    peer that vanished without a word (a host down, a cable cut) within a few seconds."""
+    try:
+        conn = socket.create_connection(master, timeout=1.0)
+    except OSError:
+        return None
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    conn.settimeout(0.5)  # the watch looks at the link's state between waits
+    return conn
 
 
 def _accepts(host: str, port: int, timeout: float) -> bool:

@@ -445,7 +445,8 @@ def evict_lru(
     the end, so that writers waiting for room need not wait for the whole pass; ``names``:
     given the name of each block removed).
 
-    Returns (bytes remaining, blocks remaining)."""
+    Returns (bytes remaining, blocks remaining): what the scan found, less what this pass
+    removed (a block another process removed meanwhile is that process's to count)."""
     total = scan.bytes
     count = len(scan.blocks)
     pending = [0, 0]
@@ -455,8 +456,10 @@ def evict_lru(
             if total <= target_bytes or (stop is not None and stop()):
                 break
             try:
-                if not dry_run:
-                    folders.unlink(block.name, block.inode or None)
+                if not dry_run and not folders.unlink(block.name, block.inode or None):
+                    # gone since the scan (another process removed it, and counted that)
+                    # or replaced by a new file: not this pass's removal to count
+                    continue
             except OSError as exc:
                 log.warning("ucm posix store: cannot evict %s: %s", block.path, exc.strerror)
                 continue
