@@ -438,6 +438,42 @@ def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
 
 
 @pytest.mark.root
+def test_a_master_cut_off_between_two_requests_costs_the_next_one_nothing(tmp_path):
+    """The master's host drops off the network between two requests: nothing comes back to
+    say so, and a call would hang until timeout_s.  The connection the store holds to the
+    master finds it out (TCP keepalives, a few seconds) before the next request comes."""
+    from ucm.core.store.mooncake.store import MooncakeStore
+    from ucm.lab.mooncake import LocalMaster
+    from ucm.lab.netlab import NetLab
+
+    require_namespaces()
+    with NetLab(["m"]) as lab:
+        master = LocalMaster(
+            lab.address("m"), netns=lab.namespace("m"), log_path=str(tmp_path / "master.log")
+        )
+        with master:
+            store = MooncakeStore(mooncake_config(master, timeout_s=2.0))
+            try:
+                keys = [key(i, b"cut") for i in range(4)]
+                data = [blob(i, 50_000) for i in range(4)]
+                assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+                lab.link_down("m")
+                deadline = time.monotonic() + 15  # keepalives: 1 s idle, 3 probes 1 s apart
+                while store.connected and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not store.connected, "the store did not hear of the cut by itself"
+                found, took = _timed(lambda: store.lookup(keys))
+                assert found == [False] * 4 and took < NO_WAIT
+                lab.link_up("m")
+                deadline = time.monotonic() + 30
+                while not store.connected and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert store.connected
+            finally:
+                store.close()
+
+
+@pytest.mark.root
 def test_a_slow_link_to_the_pool_is_slower_and_still_correct(tmp_path):
     """The pool's host (master and segment server) sends through a token bucket of 20 Mbit/s:
     loads take longer and return the stored bytes.  (This kernel has no netem, so latency
