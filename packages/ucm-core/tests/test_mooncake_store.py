@@ -3,6 +3,7 @@ not write, a full pool, hosts that leave, and a master that dies and comes back.
 
 The promises every store keeps are in test_store_contract.py."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -394,11 +395,10 @@ def test_valid_settings():
     assert isinstance(tiered.backing, MooncakeStoreConfig)
 
 
-@pytest.mark.root
-def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
-    """The master's host drops off the network (its link set down) instead of dying: calls
-    hang rather than fail at once.  The first lookup gives up after timeout_s; later calls
-    answer at once; when the link is back the store is used again."""
+@contextlib.contextmanager
+def _master_on_host_m(tmp_path, **settings):
+    """A master alone on host m (a network namespace), and a store of this process on it:
+    (the lab, to cut m's link, and the store; the store is the caller's to close)."""
     from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster
     from ucm.lab.netlab import NetLab
@@ -409,32 +409,40 @@ def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
             lab.address("m"), netns=lab.namespace("m"), log_path=str(tmp_path / "master.log")
         )
         with master:
-            store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
-            try:
-                keys = [key(i, b"partition") for i in range(4)]
-                data = [blob(i, 50_000) for i in range(4)]
-                assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
-                lab.link_down("m")
+            yield lab, MooncakeStore(mooncake_config(master, **settings))
+
+
+@pytest.mark.root
+def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
+    """The master's host drops off the network (its link set down) instead of dying: calls
+    hang rather than fail at once.  The first lookup gives up after timeout_s; later calls
+    answer at once; when the link is back the store is used again."""
+    with _master_on_host_m(tmp_path, timeout_s=1.0) as (lab, store):
+        try:
+            keys = [key(i, b"partition") for i in range(4)]
+            data = [blob(i, 50_000) for i in range(4)]
+            assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+            lab.link_down("m")
+            found, took = _timed(lambda: store.lookup(keys))
+            assert found == [False] * 4 and took < 1.0 + NO_WAIT
+            assert not store.connected
+            for _ in range(10):
                 found, took = _timed(lambda: store.lookup(keys))
-                assert found == [False] * 4 and took < 1.0 + NO_WAIT
-                assert not store.connected
-                for _ in range(10):
-                    found, took = _timed(lambda: store.lookup(keys))
-                    assert found == [False] * 4 and took < NO_WAIT
-                    out = [np.zeros_like(d) for d in data]
-                    loaded, took = _timed(lambda: store.wait(store.load(keys, out), 1))  # noqa: B023
-                    assert all(r.status is Status.MISS for r in loaded) and took < NO_WAIT
-                lab.link_up("m")
-                deadline = time.monotonic() + 30
-                while not store.connected and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                assert store.connected
-                out = [np.zeros_like(d) for d in data]  # the same master: its blocks are there
-                assert all(r.ok for r in store.wait(store.load(keys, out), 10))
-                for got, want in zip(out, data):
-                    np.testing.assert_array_equal(got, want)
-            finally:
-                store.close()
+                assert found == [False] * 4 and took < NO_WAIT
+                out = [np.zeros_like(d) for d in data]
+                loaded, took = _timed(lambda: store.wait(store.load(keys, out), 1))  # noqa: B023
+                assert all(r.status is Status.MISS for r in loaded) and took < NO_WAIT
+            lab.link_up("m")
+            deadline = time.monotonic() + 30
+            while not store.connected and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert store.connected
+            out = [np.zeros_like(d) for d in data]  # the same master: its blocks are there
+            assert all(r.ok for r in store.wait(store.load(keys, out), 10))
+            for got, want in zip(out, data):
+                np.testing.assert_array_equal(got, want)
+        finally:
+            store.close()
 
 
 @pytest.mark.root
@@ -442,35 +450,25 @@ def test_a_master_cut_off_between_two_requests_costs_the_next_one_nothing(tmp_pa
     """The master's host drops off the network between two requests: nothing comes back to
     say so, and a call would hang until timeout_s.  The connection the store holds to the
     master finds it out (TCP keepalives, a few seconds) before the next request comes."""
-    from ucm.core.store.mooncake.store import MooncakeStore
-    from ucm.lab.mooncake import LocalMaster
-    from ucm.lab.netlab import NetLab
-
-    require_namespaces()
-    with NetLab(["m"]) as lab:
-        master = LocalMaster(
-            lab.address("m"), netns=lab.namespace("m"), log_path=str(tmp_path / "master.log")
-        )
-        with master:
-            store = MooncakeStore(mooncake_config(master, timeout_s=2.0))
-            try:
-                keys = [key(i, b"cut") for i in range(4)]
-                data = [blob(i, 50_000) for i in range(4)]
-                assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
-                lab.link_down("m")
-                deadline = time.monotonic() + 15  # keepalives: 1 s idle, 3 probes 1 s apart
-                while store.connected and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                assert not store.connected, "the store did not hear of the cut by itself"
-                found, took = _timed(lambda: store.lookup(keys))
-                assert found == [False] * 4 and took < NO_WAIT
-                lab.link_up("m")
-                deadline = time.monotonic() + 30
-                while not store.connected and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                assert store.connected
-            finally:
-                store.close()
+    with _master_on_host_m(tmp_path, timeout_s=2.0) as (lab, store):
+        try:
+            keys = [key(i, b"cut") for i in range(4)]
+            data = [blob(i, 50_000) for i in range(4)]
+            assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+            lab.link_down("m")
+            deadline = time.monotonic() + 15  # keepalives: 1 s idle, 3 probes 1 s apart
+            while store.connected and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not store.connected, "the store did not hear of the cut by itself"
+            found, took = _timed(lambda: store.lookup(keys))
+            assert found == [False] * 4 and took < NO_WAIT
+            lab.link_up("m")
+            deadline = time.monotonic() + 30
+            while not store.connected and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert store.connected
+        finally:
+            store.close()
 
 
 @pytest.mark.root

@@ -314,7 +314,7 @@ class Arena:
                 if self._owed_writes or self._owed_pins:
                     self._pay_back()
                 yield
-                if self._index.long_walk or sb[SB_TOMBS] > self.geometry.buckets // 4:
+                if self._index.long_walk or sb[SB_TOMBS] > self._index.buckets // 4:
                     self._rebuild_index()
                 sb[SB_DIRTY] = 0
             finally:

@@ -28,9 +28,7 @@ threads only check their seals.
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
 import struct
 import threading
 import time
@@ -39,8 +37,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from ucm.core.settings import GIB, ConfigError
-from ucm.core.signing import BlockSigner, signer_for
+from ucm.core.settings import ConfigError
+from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.arena import (
     LOCK_WAIT_S,
@@ -52,14 +50,11 @@ from ucm.core.store.dram.arena import (
     Pinned,
 )
 from ucm.core.store.dram.config import DramStoreConfig
-from ucm.core.store.dram.sealing import Move, move_sealed, move_sealed_batch
+from ucm.core.store.dram.memfs import MEMORY_FILESYSTEMS, check_memory_filesystem, mount_of
+from ucm.core.store.dram.sealing import Move, move_sealed_batch
+from ucm.core.store.dram.verify import seal_matches, verify_arena
 from ucm.core.store.evictions import EvictionWatch
-from ucm.core.store.folder import (
-    check_before_creating,
-    check_store_folder,
-    make_store_folder,
-    nearest_existing,
-)
+from ucm.core.store.folder import check_before_creating, check_store_folder, make_store_folder
 from ucm.core.store.payload import Payload
 from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
@@ -68,9 +63,6 @@ from ucm.core.threads import store_pool
 
 log = logging.getLogger(__name__)
 
-#: filesystems whose files live in RAM
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-MOUNTINFO = "/proc/self/mountinfo"
 _KEY = struct.Struct("<QQ")
 #: keys a copy thread reserves or pins under one hold of the arena's lock: small enough that
 #: its first copies start soon, large enough to spread the lock's cost and its hand-overs of
@@ -689,83 +681,7 @@ def _layout_word(layout: bytes) -> int:
     return xxhash.xxh3_64_intdigest(layout) if layout else 0
 
 
-def seal_matches(seal: bytes, stored: bytes) -> bool:
-    """Whether a computed seal is the stored one (zero-padded to the column's width)."""
-    return hmac.compare_digest(seal.ljust(len(stored), b"\0"), stored)
-
-
-def verify_arena(arena: Arena, signer: BlockSigner | None, remove: bool) -> tuple[int, int]:
-    """Check every stored block's seal (``ucm store verify``); drop the bad ones if
-    ``remove``.  (blocks checked, corrupt)."""
-    arena.map_data()
-    npc = arena.np
-    checked = corrupt = 0
-    for slot in arena.ready_slots():
-        words = (int(npc["key0"][slot]), int(npc["key1"][slot]))
-        (pin,) = arena.pin([words])
-        if pin is None or pin.slot != slot:
-            continue  # gone meanwhile
-        checked += 1
-        seal = move_sealed(signer, words, pin.layout, (), arena.slot(slot, pin.length), into=False)
-        bad = not seal_matches(seal, pin.seal)
-        corrupt += bad
-        arena.unpin([pin], [pin] if bad and remove else ())
-    return checked, corrupt
-
-
-def check_memory_filesystem(path: str, capacity_bytes: int) -> None:
-    """Raise a ``ConfigError`` unless ``path`` lies on a memory filesystem that can hold
-    ``capacity_bytes``."""
-    # a dangling link at the path: judged by where it points (check_store_folder refuses it)
-    existing = nearest_existing(os.path.realpath(nearest_existing(path)))
-    found = mount_of(existing)
-    if found is None:
-        raise ConfigError(
-            "store.scope",
-            f"cannot tell which filesystem holds {path} (no {MOUNTINFO}): scope 'host' needs "
-            "Linux shared memory; use scope 'process'",
-        )
-    mount_point, fstype = found
-    if fstype not in MEMORY_FILESYSTEMS:
-        raise ConfigError(
-            "store.path",
-            f"{path} is on a {fstype} filesystem ({mount_point}), not in memory: a dram store "
-            "needs a memory filesystem such as /dev/shm (for a disk, use kind 'posix')",
-        )
-    stat = os.statvfs(existing)
-    size = stat.f_blocks * stat.f_frsize
-    if size < capacity_bytes:
-        raise ConfigError(
-            "store.capacity_gb",
-            f"{capacity_bytes / GIB:g} GiB does not fit in {mount_point}, which holds "
-            f"{size / GIB:.3g} GiB in all (a container's /dev/shm is 64 MiB unless it is "
-            "started with a larger --shm-size): lower capacity_gb or enlarge the filesystem",
-        )
-
-
-def mount_of(path: str) -> tuple[str, str] | None:
-    """The (mount point, filesystem type) of the mount holding the existing ``path``, or
-    None where the mount table cannot be read."""
-    try:
-        with open(MOUNTINFO) as table:
-            lines = table.read().splitlines()
-    except OSError:
-        return None
-    best: tuple[str, str] | None = None
-    for line in lines:
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        mount_point = _unescape(fields[4])
-        fstype = fields[fields.index("-") + 1]
-        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
-        if inside and (best is None or len(mount_point) >= len(best[0])):
-            best = (mount_point, fstype)  # the last of equal mount points is the one on top
-    return best
-
-
-def _unescape(field: str) -> str:
-    """A mountinfo path: spaces, tabs, newlines and backslashes are written in octal."""
-    for octal, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(octal, char)
-    return field
+__all__ = [
+    "MEMORY_FILESYSTEMS", "SharedMemoryStore", "chunk_keys", "mount_of", "seal_matches",
+    "verify_arena",
+]  # fmt: skip
