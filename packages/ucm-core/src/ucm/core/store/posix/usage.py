@@ -69,8 +69,9 @@ class SharedUsage:
         self._root_fd = root_fd
         self._local = threading.local()
         self._thread_fds: list[int] = []
-        self._fds_lock = threading.Lock()
+        self._fds_lock = threading.Condition()
         self._closed = False
+        self._active = 0  # threads inside _locked: close() waits for them (bounded)
         #: a wait for the count ran out: later calls try once, without waiting, until one
         #: has it (a stopped holder would otherwise cost every call the whole wait)
         self._stuck = False
@@ -89,8 +90,6 @@ class SharedUsage:
         fd: int | None = getattr(self._local, "fd", None)
         if fd is None:
             with self._fds_lock:
-                if self._closed:
-                    raise ValueError("the store's usage count is closed")
                 fd = os.open(USAGE_FILE, _FLAGS, 0o600, dir_fd=self._root_fd)
                 if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
                     os.close(fd)  # replaced since the store opened it: not our count
@@ -103,19 +102,27 @@ class SharedUsage:
     def _locked(self) -> Iterator[None]:
         # Held for a read and a write of 16 bytes: microseconds.  Still bounded: a holder
         # stopped (SIGSTOP, a frozen container) must not stop every writer of the store.
-        if self._closed:
-            raise ValueError("the store's usage count is closed")
-        fd = self._thread_fd()
+        with self._fds_lock:
+            if self._closed:
+                raise ValueError("the store's usage count is closed")
+            self._active += 1  # its descriptor stays open until this section ends
         try:
-            _lock_within(fd, 0.0 if self._stuck else LOCK_WAIT_S, "the store's usage count", self)
-        except TimeoutError:
-            self._stuck = True
-            raise
-        self._stuck = False
-        try:
-            yield
+            fd = self._thread_fd()
+            wait = 0.0 if self._stuck else LOCK_WAIT_S
+            try:
+                _lock_within(fd, wait, "the store's usage count", self)
+            except TimeoutError:
+                self._stuck = True
+                raise
+            self._stuck = False
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            with self._fds_lock:
+                self._active -= 1
+                self._fds_lock.notify_all()
 
     def _read(self) -> tuple[int, int]:
         data = os.pread(self._fd, _COUNT.size, 0)
@@ -191,6 +198,9 @@ class SharedUsage:
             if self._closed:
                 return
             self._closed = True
+            # a section in progress ends within its wait: its descriptor is not closed
+            # (and its number not reused) under it
+            self._fds_lock.wait_for(lambda: self._active == 0, LOCK_WAIT_S + 1.0)
             for fd in (self._fd, self._evicting, *self._thread_fds):
                 os.close(fd)
             self._thread_fds = []
