@@ -28,7 +28,10 @@ def mla_model(tmp_path_factory):
 def test_an_mla_engine_on_the_cpu_dumps_loads_nothing_and_keeps_its_outputs(mla_model, tmp_path):
     # 600 shared tokens: nine 64-token blocks a lookup would find for the second prompt
     prompts = shared_prefix_prompts(3, prefix=600, tail=40)
-    spec = {"model": mla_model, "prompts": prompts, "engine": {"block_size": 16}}
+    # the reference backend on every host: vLLM prefers its AMX backend where the CPU has
+    # AMX tiles (it keeps prefix caching on, and takes blocks of 32 only)
+    engine = {"block_size": 16, "attention_backend": "CPU_MLA"}
+    spec = {"model": mla_model, "prompts": prompts, "engine": engine}
     reference = run_engine(spec)
     store = {"kind": "posix", "path": str(tmp_path / "store")}
     # the second and third prompts find the first one's nine blocks in the store
