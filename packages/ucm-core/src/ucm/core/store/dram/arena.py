@@ -132,6 +132,7 @@ class Arena:
 
     def __init__(self, folder: str, fd: int, geometry: Geometry, *, data: bool) -> None:
         self.folder = folder
+        self._what = f"the arena in {folder}"  # (what a lock's wait names when it runs out)
         self.geometry = geometry
         self._file_bytes = geometry.file_bytes  # (a property that adds up the sections)
         self._fd = fd
@@ -305,7 +306,7 @@ class Arena:
             if self._closed:
                 raise ArenaBusy("the arena is closed")
             self._check_size()
-            flock_until(self._lock_fd, deadline, f"the arena in {self.folder}")
+            flock_until(self._lock_fd, deadline, self._what)
             try:
                 sb = self._sb
                 if sb[SB_DIRTY]:
@@ -529,7 +530,6 @@ class Arena:
         now = time.monotonic_ns()
         out: list[tuple[int, int] | bool] = []
         seen: set[tuple[int, int]] = set()
-        find = None
         with self.locked(wait_s):
             word = self._writer()
             find = self._index.find
