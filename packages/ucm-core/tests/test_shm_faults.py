@@ -35,35 +35,45 @@ def open_store(root, capacity_bytes: int = 1 << 20, block: int = BLOCK) -> Share
     return store
 
 
-def run_child(script: str, *args: str, timeout: float = CHILD_TIMEOUT, prefix=()):
-    """Run ``script`` (Python) in a fresh interpreter; its completed process (a hang past
-    ``timeout`` fails the test)."""
+#: what every child starts with: ``store``, the host store of the folder ``sys.argv[1]``
+#: (of ``sys.argv[2]`` GiB), and the tests' keys and payloads
+CHILD_PREAMBLE = """\
+import os, sys, time
+from ucm.core.config import DramStoreConfig
+from ucm.core.store import SharedMemoryStore
+from ucm.lab.testing.core import blob, key
+store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb=float(sys.argv[2])))
+"""
+
+
+def child_command(script: str, folder, capacity_gb: float = CAP) -> list[str]:
+    """``python -c`` of :data:`CHILD_PREAMBLE` then ``script``, on the store at ``folder``."""
+    code = CHILD_PREAMBLE + textwrap.dedent(script)
+    return [sys.executable, "-c", code, str(folder), repr(capacity_gb)]
+
+
+def run_child(script: str, folder, *, capacity_gb: float = CAP, prefix=()):
+    """Run ``script`` (Python, with ``store`` at hand) in a fresh interpreter; its completed
+    process (a hang past :data:`CHILD_TIMEOUT` fails the test)."""
     try:
         return subprocess.run(
-            [*prefix, sys.executable, "-c", textwrap.dedent(script), *args],
-            capture_output=True, text=True, timeout=timeout,
+            [*prefix, *child_command(script, folder, capacity_gb)],
+            capture_output=True, text=True, timeout=CHILD_TIMEOUT,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the child did not finish within {timeout} s: a wait without a bound")
+        pytest.fail(f"the child did not finish within {CHILD_TIMEOUT} s: a wait without a bound")
 
 
 def holder(folder, then: str) -> subprocess.Popen:
     """A process of the store at ``folder`` that takes the arena's lock, says "holding",
     then runs ``then`` (Python, with ``arena``, ``os`` and ``time`` at hand) holding it."""
-    script = textwrap.dedent(
-        f"""
-        import os, sys, time
-        from ucm.core.config import DramStoreConfig
-        from ucm.core.store import SharedMemoryStore
-        store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
+    script = f"""
         store.check_block_bytes({BLOCK})
         arena = store._arena
         with arena.locked():
             {then}
         """
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script, str(folder)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(child_command(script, folder), stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "holding"
     return proc
 
@@ -119,11 +129,6 @@ def test_an_index_without_an_empty_bucket_is_walked_within_its_bound_and_rebuilt
     store.close()
     done = run_child(
         f"""
-        import sys, numpy as np
-        from ucm.core.config import DramStoreConfig
-        from ucm.core.store import SharedMemoryStore
-        from ucm.lab.testing.core import blob, key
-        store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
         store.check_block_bytes({BLOCK})
         store._arena.np["islot"][:] = {TOMB}  # every bucket a tombstone
         print(store.lookup([key(0), key(99)]))
@@ -134,7 +139,7 @@ def test_an_index_without_an_empty_bucket_is_walked_within_its_bound_and_rebuilt
         print(all(bytes(o) == blob(i, {BLOCK}).tobytes() for i, o in enumerate(out[:10])))
         store.close()
         """,
-        str(shm_dir),
+        shm_dir,
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -155,17 +160,12 @@ def test_a_new_engine_starts_while_a_stopped_process_holds_the_lock(shm_dir):
         started = time.monotonic()
         done = run_child(
             f"""
-            import sys
-            from ucm.core.config import DramStoreConfig
-            from ucm.core.store import SharedMemoryStore
-            from ucm.lab.testing.core import blob, key
-            store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
             store.check_block_bytes({BLOCK})  # an engine's start-up
             print(store.wait(store.dump([key(2)], [blob(2, {BLOCK})]), 30)[0].status.name)
             print(store.lookup([key(1), key(2)]))
             store.close()
             """,
-            str(shm_dir),
+            shm_dir,
         )
         took = time.monotonic() - started
     finally:
@@ -250,17 +250,12 @@ def test_a_dead_writers_slots_are_reclaimed_without_waiting_for_any_lease(shm_di
     open_store(shm_dir, capacity_bytes=slots * BLOCK).close()
     done = run_child(
         f"""
-        import os, sys
-        from ucm.core.config import DramStoreConfig
-        from ucm.core.store import SharedMemoryStore
-        from ucm.lab.testing.core import key
-        config = DramStoreConfig(path=sys.argv[1], capacity_gb={slots * BLOCK / GIB!r})
-        store = SharedMemoryStore(config)
         writes = store.open_writes([key(i, b"dead") for i in range({slots})], {BLOCK})
         assert all(v is not None for v in writes.views)
         os.kill(os.getpid(), 9)  # killed mid-copy: every slot of the arena reserved
         """,
-        str(shm_dir),
+        shm_dir,
+        capacity_gb=slots * BLOCK / GIB,
     )
     assert done.returncode == -9, done.stderr
     store = open_store(shm_dir, capacity_bytes=slots * BLOCK)
@@ -296,18 +291,13 @@ def test_a_live_writer_keeps_its_slots_through_a_recovery_in_another_pid_namespa
         killed.wait()
         done = run_child(
             f"""
-            import os, sys
-            from ucm.core.config import DramStoreConfig
-            from ucm.core.store import SharedMemoryStore
-            from ucm.lab.testing.core import blob, key
-            store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
             keys = [key(i, b"other") for i in range(200)]
             got = store.wait(store.dump(keys, [blob(i, {BLOCK}) for i in range(200)]), 30)
             assert all(r.ok for r in got), got[0]
             print(os.getpid(), store._arena.stats()["recoveries"])
             store.close()
             """,
-            str(shm_dir),
+            shm_dir,
             prefix=("unshare", "--pid", "--fork"),
         )
         assert done.returncode == 0, done.stderr
@@ -353,11 +343,6 @@ def test_an_arena_cut_short_by_another_process_fails_loudly_not_with_sigbus(shm_
     store.close()
     done = run_child(
         f"""
-        import os, sys
-        from ucm.core.config import DramStoreConfig
-        from ucm.core.store import SharedMemoryStore
-        from ucm.lab.testing.core import blob, key
-        store = SharedMemoryStore(DramStoreConfig(path=sys.argv[1], capacity_gb={CAP}))
         store.check_block_bytes({BLOCK})
         arena = store._arena
         os.truncate(os.path.join(sys.argv[1], "arena"), arena.geometry.meta_bytes)
@@ -367,7 +352,7 @@ def test_an_arena_cut_short_by_another_process_fails_loudly_not_with_sigbus(shm_
         print(sorted({{r.status.name for r in got}}), got[0].detail)
         print(store.wait(store.dump([key(9)], [blob(9, {BLOCK})]), 30)[0].status.name)
         """,
-        str(shm_dir),
+        shm_dir,
     )
     assert done.returncode == 0, (done.returncode, done.stderr)  # -7 were a SIGBUS
     lines = done.stdout.splitlines()
