@@ -1,5 +1,6 @@
-"""The stores' fault harness, a short run: every rule it checks holds while processes are
-killed, stopped and resumed and bytes are flipped (10 s here; ``nox -s stress`` runs it for 10 minutes)."""
+"""The stores' fault harness, a short run (10 s; ``nox -s stress`` runs it for 10 minutes):
+every rule it checks holds while processes are killed, stopped and resumed and bytes are
+flipped."""
 
 from __future__ import annotations
 
