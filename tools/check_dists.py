@@ -1,8 +1,9 @@
 """Check the built distributions of every package: what a user installs must hold every
 module of the source tree and nothing else, under the project's version, with the
-dependencies and extras its pyproject.toml names.  The library distributions hold no
-harness module (benchmarks, demos, test helpers: those live in ucm-lab) and depend only on
-what their modules import; ucm-lab is marked never to be uploaded.
+dependencies and extras its pyproject.toml names and the repository's LICENSE.  The library
+distributions hold no harness module (benchmarks, demos, test helpers: those live in
+ucm-lab) and depend only on what their modules import; ucm-lab is marked never to be
+uploaded.
 
     python tools/check_dists.py DIST_DIR        (needs ``packaging``)
 
@@ -34,6 +35,9 @@ HARNESS = re.compile(
 # what a wheel holds beside its sources: the libraries its build hook compiles (hatch_build.py)
 COMPILED = {"ucm-core": {"ucm/core/store/dram/libucm_sealed_moves.so"}}
 # a distribution's name -> the top-level module it is imported as, where the two differ
+# the repository's licence, which every distribution ships (a copy beside each pyproject.toml:
+# an sdist cannot hold a file from outside its project)
+LICENSE = (ROOT / "LICENSE").read_bytes()
 IMPORT_NAMES = {"pyyaml": "yaml", "ucm-core": "ucm.core", "ucm-kernels": "ucm.kernels"}
 
 
@@ -150,7 +154,21 @@ def check(package: Path, dist: Path, version: str) -> list[str]:
             problems.append(f"{name}: the sdist lacks {needed}")
     for binary in sorted(n for n in inside if n.endswith(".so")):
         problems.append(f"{name}: the sdist holds {binary}, a compiled file")
+    with zipfile.ZipFile(wheel) as zf, tarfile.open(sdist) as tf:
+        member = tf.extractfile(f"{stem}/LICENSE") if "LICENSE" in inside else None
+        licences = {
+            "the wheel": _read(zf, f"{stem}.dist-info/licenses/LICENSE"),
+            "the sdist": member.read() if member else None,
+            "packages/" + package.name: (package / "LICENSE").read_bytes(),
+        }
+    for where, text in licences.items():
+        if text != LICENSE:
+            problems.append(f"{name}: {where} lacks the repository's LICENSE (or differs)")
     return problems
+
+
+def _read(zf: zipfile.ZipFile, member: str) -> bytes | None:
+    return zf.read(member) if member in zf.namelist() else None
 
 
 def main() -> int:

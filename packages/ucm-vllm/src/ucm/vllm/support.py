@@ -50,8 +50,9 @@ def loads_refused(*, cpu: bool, mla: bool, prefix_caching: bool) -> str | None:
     vLLM CPU's reference MLA backend cannot prefill on top of cached KV: the platform turns
     prefix caching and chunked prefill off for MLA models (AMX hosts excepted), and forcing
     either on gives other outputs than a run from token 0, with or without UCM
-    (tools/research/issue28).  A load is such a prefill, so this engine stores blocks for
-    others but loads none.  Where prefix caching stayed on, the backend attends to cached KV.
+    (the notes at commit 54311178, tools/research/issue28).  A load is such a prefill, so
+    this engine stores blocks for others but loads none.  Where prefix caching stayed on,
+    the backend attends to cached KV.
     """
     if not (cpu and mla and not prefix_caching):
         return None
