@@ -10,7 +10,6 @@ failing for want of a speed-up.
 from __future__ import annotations
 
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -21,9 +20,8 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 LIBRARY = "ucm/core/store/dram/libucm_sealed_moves.so"
-SOURCES = ["native/sealed_moves.c", "native/xxhash/xxhash.c"]
-X86_SOURCES = ["native/xxhash/xxh_x86dispatch.c"]  # xxh3's run-time choice of SSE2/AVX2/AVX-512
-FLAGS = ["-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-Inative/xxhash"]
+SOURCES = ["native/sealed_moves.c", "native/xxh3.c"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-fvisibility=hidden"]
 
 
 class CompiledMoves(BuildHookInterface):
@@ -37,8 +35,7 @@ class CompiledMoves(BuildHookInterface):
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if not compiler:
             return self._without("no C compiler was found (cc, gcc or $CC)")
-        sources = SOURCES + (X86_SOURCES if platform.machine() in ("x86_64", "AMD64") else [])
-        command = [*shlex.split(compiler), *FLAGS, "-o", str(out), *sources]
+        command = [*shlex.split(compiler), *FLAGS, "-o", str(out), *SOURCES]
         done = subprocess.run(command, cwd=root, capture_output=True, text=True)
         if done.returncode:
             return self._without(f"{shlex.join(command)} failed:\n{done.stderr}")

@@ -8,18 +8,15 @@
  * other's copies.  See ucm/core/store/dram/sealing.py, its only caller, for the contract.
  *
  * The seal is the same xxh3-64 the xxhash package computes, over the same bytes, so blocks
- * sealed with or without this library check alike.  xxHash is vendored in xxhash/ (BSD-2);
- * on x86-64 its dispatcher picks SSE2, AVX2 or AVX-512 at run time, as the xxhash package's
- * own build does.
+ * sealed with or without this library check alike (xxh3.c: our own, SSE2 or AVX2 chosen at
+ * run time on x86-64).
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
-#include "xxhash.h"
+#include "xxh3.h"
 #if defined(__x86_64__) || defined(_M_X64)
-#include "xxh_x86dispatch.h"
 #include <emmintrin.h> /* SSE2: in every x86-64 */
 #define STREAMING_STORES 1
 #endif
@@ -76,15 +73,15 @@ __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
     uint64_t count, int mode, const uint64_t *slots, const uint64_t *lengths,
     const uint64_t *nparts, const uint64_t *part_addr, const uint64_t *part_len,
     uint64_t *seals) {
-    XXH3_state_t state;
+    ucm_xxh3_state state;
     uint64_t p = 0;
     for (uint64_t i = 0; i < count; i++) {
         uint8_t *slot = (uint8_t *)(uintptr_t)slots[i];
         if (mode == CHECK) {
-            seals[i] = XXH3_64bits(slot, (size_t)lengths[i]);
+            seals[i] = ucm_xxh3_64(slot, (size_t)lengths[i]);
             continue;
         }
-        XXH3_64bits_reset(&state);
+        ucm_xxh3_reset(&state);
         uint64_t at = 0;
         for (uint64_t k = 0; k < nparts[i]; k++, p++) {
             uint8_t *part = (uint8_t *)(uintptr_t)part_addr[p];
@@ -92,16 +89,16 @@ __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
             for (uint64_t off = 0; off < n; off += PIECE) {
                 size_t m = (size_t)(n - off < PIECE ? n - off : PIECE);
                 if (mode == INTO_SLOT) {
-                    XXH3_64bits_update(&state, part + off, m);
+                    ucm_xxh3_update(&state, part + off, m);
                     copy_into_slot(slot + at + off, part + off, m);
                 } else {
                     memcpy(part + off, slot + at + off, m);
-                    XXH3_64bits_update(&state, part + off, m);
+                    ucm_xxh3_update(&state, part + off, m);
                 }
             }
             at += n;
         }
-        seals[i] = XXH3_64bits_digest(&state);
+        seals[i] = ucm_xxh3_digest(&state);
     }
 #ifdef STREAMING_STORES
     _mm_sfence(); /* the streamed bytes are in memory before the caller publishes them */

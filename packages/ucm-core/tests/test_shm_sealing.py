@@ -5,6 +5,7 @@ a block changed in shared memory fails either way."""
 from __future__ import annotations
 
 import mmap
+import random
 import shutil
 
 import numpy as np
@@ -67,6 +68,34 @@ def test_blocks_move_into_slots_and_out_with_the_seal_of_their_bytes(path, offse
     moves = [(_split(memoryview(o)), s) for o, s in zip(outs, slots)]
     assert sealing.move_sealed_batch(None, names, 0, moves, into=False) == wanted
     assert [bytes(o) for o in outs] == blocks
+
+
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["portable", "sse2", "avx2"])
+def test_the_compiled_xxh3_is_the_xxhash_packages_for_any_length_alignment_and_split(form):
+    # xxh3.c is our own: bit for bit against the package over every short length, lengths
+    # around each stripe (64 bytes) and block (1 KiB), random ones up to 1 MiB, at random
+    # alignments of source and slot, fed in random parts (its streaming) and whole (checks)
+    _need_library()
+    library = sealing._LIBRARY
+    chosen = library.ucm_xxh3_choose(form)
+    try:
+        rng = random.Random(form)
+        source = np.random.default_rng(form).integers(0, 256, 1 << 21, np.uint8).tobytes()
+        area = _slots(1 << 21)
+        lengths = [*range(1, 600), *(k * 1024 + d for k in range(1, 20) for d in (-65, -1, 0, 1, 64)),
+                   *(rng.randrange(600, 1 << 20) for _ in range(100))]  # fmt: skip
+        for n in lengths:
+            at = rng.randrange(64)
+            data = memoryview(source)[at : at + n]
+            slot = area[rng.randrange(64) :][:n]
+            cuts = sorted({0, n, *(rng.randrange(n + 1) for _ in range(rng.randrange(4)))})
+            parts = [data[a:b] for a, b in zip(cuts, cuts[1:])]
+            want = xxhash.xxh3_64_intdigest(data).to_bytes(8, "little")
+            moved = sealing.move_sealed_batch(None, [(0, 0)], 0, [(parts, slot)], into=True)
+            checked = sealing.move_sealed_batch(None, [(0, 0)], 0, [((), slot)], into=False)
+            assert (moved, checked) == ([want], [want]), (chosen, n, cuts)
+    finally:
+        library.ucm_xxh3_choose(2)
 
 
 def _split(view: memoryview) -> list[memoryview]:
