@@ -175,3 +175,23 @@ def test_unusable_store_path_is_a_clear_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OSError, match="cannot use .* as a UCM store"):
         PosixStore(PosixStoreConfig(path=str(blocker / "sub")))
+
+
+def test_the_store_is_named_with_where_it_is_and_its_size():
+    posix = parse_store_config({"kind": "posix", "path": "/data/ucm", "capacity_gb": 100})
+    assert posix.summary() == "posix at /data/ucm (capacity 100 GiB)"
+    unlimited = parse_store_config({"kind": "posix", "path": "/data/ucm", "capacity_gb": None})
+    assert "no capacity limit" in unlimited.summary()
+    auto = parse_store_config({"kind": "posix", "path": "/data/ucm"})
+    assert "capacity auto" in auto.summary()
+    signed = parse_store_config({"kind": "posix", "path": "/x", "secret": "env:S"})
+    assert signed.summary().endswith(", signed)")
+    mooncake = parse_store_config({"kind": "mooncake", "master": "10.0.0.1:50051"})
+    assert mooncake.summary() == "mooncake at 10.0.0.1:50051 (1 GiB given to the pool)"
+    tiered = parse_store_config(
+        {"kind": "tiered", "dram": {"path": "/dev/shm/u", "capacity_gb": 2},
+         "backing": {"kind": "posix", "path": "/d", "capacity_gb": None}}
+    )  # fmt: skip
+    assert tiered.summary() == (
+        "tiered: dram at /dev/shm/u (capacity 2 GiB) -> posix at /d (no capacity limit)"
+    )

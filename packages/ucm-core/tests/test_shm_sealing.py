@@ -82,8 +82,8 @@ def test_the_compiled_xxh3_is_the_xxhash_packages_for_any_length_alignment_and_s
         rng = random.Random(form)
         source = np.random.default_rng(form).integers(0, 256, 1 << 21, np.uint8).tobytes()
         area = _slots(1 << 21)
-        lengths = [*range(1, 600), *(k * 1024 + d for k in range(1, 20) for d in (-65, -1, 0, 1, 64)),
-                   *(rng.randrange(600, 1 << 20) for _ in range(100))]  # fmt: skip
+        around = [k * 1024 + d for k in range(1, 20) for d in (-65, -1, 0, 1, 64)]
+        lengths = [*range(1, 600), *around, *(rng.randrange(600, 1 << 20) for _ in range(100))]
         for n in lengths:
             at = rng.randrange(64)
             data = memoryview(source)[at : at + n]

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -104,3 +108,79 @@ def test_replicated_caches_split_their_writes_across_ranks():
     # replicated scopes are shared by every rank, sharded ones are not
     assert ranks[0].scope(groups[0], 0) == ranks[1].scope(groups[0], 1)
     assert ranks[0].scope(groups[2], 0) != ranks[1].scope(groups[2], 1)
+
+
+# -- a store kind from another distribution ----------------------------------------------
+
+PLUGIN = '''
+import attrs
+from ucm.core.settings import one_of, setting, size_gib
+from ucm.core.store.kinds import StoreSettings
+from ucm.core.store.dram import DramStore, DramStoreConfig
+
+
+@attrs.frozen
+class MemoSettings(StoreSettings):
+    """A store kind of a throwaway distribution: this process's memory, under its own name."""
+
+    STORE = "ucm_memo:open_memo"
+    kind: str = setting("Store kind.", default="memo", validator=one_of("memo"))
+    capacity_gb: float = setting("GiB.", default=0.01, validator=size_gib)
+
+
+def open_memo(settings):
+    return DramStore(DramStoreConfig(scope="process", capacity_gb=settings.capacity_gb))
+'''
+
+USE = '''
+import numpy as np
+from ucm.core.config import kind_names
+from ucm.core.settings import ConfigError
+from ucm.core.store import create_store
+from ucm.vllm.config import connector_config
+from ucm.vllm.stores import ConnectorStores
+from ucm_memo import MemoSettings
+
+config = connector_config({"store": {"kind": "memo", "capacity_gb": 0.02}})
+assert config.store == MemoSettings(capacity_gb=0.02), config.store
+assert "memo" in kind_names()
+stores = ConnectorStores.open(config.store, hybrid=False, wa_fraction=0.5)
+key, block = b"k" * 16, np.arange(4096, dtype=np.uint8)
+store = stores.full
+assert store.wait(store.dump([key], [block]))[0].ok and store.lookup([key]) == [True]
+out = np.zeros_like(block)
+assert store.wait(store.load([key], [out]))[0].ok and (out == block).all()
+try:  # a kind that does not say how to split refuses a hybrid model by name
+    ConnectorStores.open(config.store, hybrid=True, wa_fraction=0.5)
+except ConfigError as exc:
+    assert "a memo store cannot hold a hybrid model" in str(exc), exc
+else:
+    raise AssertionError("a hybrid model was given a store that cannot split")
+try:  # its settings are checked as UCM's own are
+    connector_config({"store": {"kind": "memo", "capacity_gb": "big"}})
+except ConfigError as exc:
+    assert str(exc).startswith("kv_connector_extra_config.store.capacity_gb"), exc
+else:
+    raise AssertionError("bad settings of a plug-in kind were taken")
+print("used")
+'''
+
+
+def test_a_store_kind_from_another_distribution_is_named_in_vllms_config(tmp_path):
+    # a distribution as pip installs one: the module and a .dist-info naming its kind in the
+    # ucm.stores entry points; nothing of UCM's is told about it
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "ucm_memo.py").write_text(PLUGIN)
+    info = site / "ucm_memo-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ucm-memo\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[ucm.stores]\nmemo = ucm_memo:MemoSettings\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-c", USE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "used", done.stderr[-3000:]
+    # without the distribution the kind is unknown, and the error says how kinds are added
+    with pytest.raises(ConfigError, match="ucm.stores entry points"):
+        connector_config({"store": {"kind": "memo"}})

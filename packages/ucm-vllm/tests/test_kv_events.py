@@ -120,6 +120,8 @@ def test_the_medium_names_the_tier_a_block_lands_in_first():
         "backing": {"kind": "posix", "path": "/x"},
     }
     assert medium(tiered) == "CPU"
+    on_disk = {"kind": "tiered", "local": {"path": "/nvme"}, "backing": {"kind": "mooncake"}}
+    assert medium(on_disk) == "STORAGE"  # the local tier is a disk
 
 
 # -- against vllm serve --

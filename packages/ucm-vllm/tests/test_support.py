@@ -4,8 +4,7 @@ releases it is tested with."""
 import logging
 
 import pytest
-from ucm.core.config import parse_store_config
-from ucm.vllm.support import TESTED_VLLM, loads_refused, store_summary, version_warning
+from ucm.vllm.support import TESTED_VLLM, loads_refused, version_warning
 
 
 def test_tested_releases_start_quietly_and_others_are_warned_about():
@@ -14,26 +13,6 @@ def test_tested_releases_start_quietly_and_others_are_warned_about():
     for version in ("0.31.2", "0.33.0", "1.0.0", "unknown"):
         warning = version_warning(version)
         assert warning is not None and version in warning and TESTED_VLLM[0] in warning
-
-
-def test_the_store_is_named_with_where_it_is_and_its_size():
-    posix = parse_store_config({"kind": "posix", "path": "/data/ucm", "capacity_gb": 100})
-    assert store_summary(posix) == "posix at /data/ucm (capacity 100 GiB)"
-    unlimited = parse_store_config({"kind": "posix", "path": "/data/ucm", "capacity_gb": None})
-    assert "no capacity limit" in store_summary(unlimited)
-    auto = parse_store_config({"kind": "posix", "path": "/data/ucm"})
-    assert "capacity auto" in store_summary(auto)
-    signed = parse_store_config({"kind": "posix", "path": "/x", "secret": "env:S"})
-    assert store_summary(signed).endswith(", signed)")
-    mooncake = parse_store_config({"kind": "mooncake", "master": "10.0.0.1:50051"})
-    assert store_summary(mooncake) == "mooncake at 10.0.0.1:50051 (1 GiB given to the pool)"
-    tiered = parse_store_config(
-        {"kind": "tiered", "dram": {"path": "/dev/shm/u", "capacity_gb": 2},
-         "backing": {"kind": "posix", "path": "/d", "capacity_gb": None}}
-    )  # fmt: skip
-    assert store_summary(tiered) == (
-        "tiered: dram at /dev/shm/u (capacity 2 GiB) -> posix at /d (no capacity limit)"
-    )
 
 
 def test_the_scheduler_logs_that_ucm_is_active(tmp_path, caplog):

@@ -14,202 +14,89 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from tqdm import tqdm
 from ucm.core.block_format import FORMAT_VERSION
 from ucm.core.model_identity import DIGEST_MODES, WEIGHT_SUFFIXES
 from ucm.core.settings import GIB, MAX_GIB, ConfigError
-from ucm.core.signing import BlockSigner, signer_for
+from ucm.core.signing import signer_for
 from ucm.core.sizing import DEFAULT_BLOCK_TOKENS, KV_CACHE_DTYPES
-from ucm.core.store.dram.arena import ARENA_FILE, Arena
-from ucm.core.store.dram.shared import verify_arena
-from ucm.core.store.posix import (
-    BLOCKS_DIR,
-    NEEDS_SECRET,
-    evict_lru,
-    read_marker,
-    scan_store,
-    verify_block_file,
-)
-from ucm.core.store.posix.fileio import open_dir, unlink_in
-from ucm.core.store.posix.layout import OTHER_VERSION, block_relative, block_version
-from ucm.core.store.posix.usage import SharedUsage
+from ucm.core.store.folders import FolderError, StoreFolder, human
+from ucm.core.store.kinds import kind_names, load, settings_class
 from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class CliError(Exception):
     """A problem the command reports in one line (``--json``: one JSON object) and exit 1."""
 
 
-def _stores(path: str) -> list[str]:
-    """The posix store at ``path``, or the two of a hybrid model's root (``fa/``, ``wa/``)."""
+def _folder_kinds() -> list[type[StoreFolder]]:
+    """What ``ucm store`` can open: the folder tools of every kind that has them."""
+    found = []
+    for kind in kind_names():
+        settings = settings_class(kind)
+        if settings is not None and settings.FOLDER is not None:
+            found.append(load(settings.FOLDER))
+    return found
+
+
+def _stores(path: str) -> list[StoreFolder]:
+    """The store at ``path``, or the two of a hybrid model's root (``fa/``, ``wa/``)."""
     root = os.path.abspath(os.path.expanduser(path))
     if not os.path.lexists(root):
         raise CliError(f"{path}: no such folder")
     if not os.path.isdir(root):
-        raise CliError(f"{path} is not a folder, so not a UCM posix store")
-    if _is_store(root):
-        return [root]
-    groups = [os.path.join(root, g) for g in (FA_SUBDIR, WA_SUBDIR)]
-    found = [g for g in groups if _is_store(g)]
+        raise CliError(f"{path} is not a folder, so not a UCM store")
+    kinds = _folder_kinds()
+    here = _store_in(root, kinds)
+    if here is not None:
+        return [here]
+    groups = [_store_in(os.path.join(root, g), kinds) for g in (FA_SUBDIR, WA_SUBDIR)]
+    found = [g for g in groups if g is not None]
     if found:
         return found
+    marks = ", no ".join(kind.MARK for kind in kinds)
     raise CliError(
-        f"{path} is not a UCM store (no {BLOCKS_DIR}/ folder of a posix store, no "
-        f"{ARENA_FILE} of a dram store, nor a hybrid model's {FA_SUBDIR}/ and {WA_SUBDIR}/)"
+        f"{path} is not a UCM store (no {marks}, nor a hybrid model's {FA_SUBDIR}/ and "
+        f"{WA_SUBDIR}/)"
     )
 
 
-def _is_store(folder: str) -> bool:
-    """A posix store's folder, or a host dram store's (its arena file)."""
-    return os.path.isdir(os.path.join(folder, BLOCKS_DIR)) or _is_arena(folder)
-
-
-def _is_arena(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, ARENA_FILE))
-
-
-def _arena(root: str) -> Arena:
-    arena = Arena.attach(root, capacity_bytes=1 << 62)
-    if arena is None:
-        raise CliError(f"{root}/{ARENA_FILE} is not an arena this build reads, or not yours")
-    return arena
-
-
-def _arena_stats(root: str) -> dict[str, object]:
-    arena = _arena(root)
-    try:
-        with arena.locked():  # a dead holder's leftovers are mended first
-            found = arena.stats()
-    finally:
-        arena.close()
-    capacity = found["slots"] * found["slot_bytes"]
-    return {
-        "path": root,
-        "kind": "dram",
-        "blocks": found["blocks"],
-        "bytes": found["bytes"],
-        "capacity_bytes": capacity,
-        "capacity_used": found["blocks"] / found["slots"],
-        "foreign_files": 0,
-        "arena": found,
-    }
-
-
-def _stats(root: str) -> dict[str, object]:
-    if _is_arena(root):
-        return _arena_stats(root)
-    scan = scan_store(root)
-    marked = read_marker(root).get("capacity_bytes")
-    capacity = marked if isinstance(marked, int) and marked > 0 else None
-    return {
-        "path": root,
-        "blocks": len(scan.blocks),
-        "bytes": scan.bytes,
-        "capacity_bytes": capacity,
-        "capacity_used": scan.bytes / capacity if capacity else None,
-        "foreign_files": len(scan.foreign),
-        "stale_temp_files_removed": scan.temps_removed,
-    }
+def _store_in(folder: str, kinds: list[type[StoreFolder]]) -> StoreFolder | None:
+    """The store of the first kind that recognises ``folder`` as its own."""
+    for kind in kinds:
+        if kind.holds_store(folder):
+            return kind(folder)
+    return None
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    found = [_stats(root) for root in _stores(args.path)]
+    stores = _stores(args.path)
+    found = [store.stats() for store in stores]
     if args.json:
         print(json.dumps(found[0] if len(found) == 1 else {"stores": found}))
         return 0
-    for stats in found:
-        _print_stats(stats)
+    for store, stats in zip(stores, found):
+        _print_stats(stats, store.describe(stats))
     return 0
 
 
-def _print_stats(stats: dict[str, object]) -> None:
+def _print_stats(stats: dict[str, Any], own: list[str]) -> None:
     size, capacity, used = stats["bytes"], stats["capacity_bytes"], stats["capacity_used"]
     print(f"store     {stats['path']}")
     print(f"blocks    {stats['blocks']}")
-    print(f"bytes     {_human(size)} ({size})")  # type: ignore[arg-type]
+    print(f"bytes     {human(size)} ({size})")
     if capacity and used is not None:
-        print(f"capacity  {_human(capacity)}, {100 * used:.1f}% used")  # type: ignore[arg-type,operator]
+        print(f"capacity  {human(capacity)}, {100 * used:.1f}% used")
     else:
         print("capacity  unlimited")
-    if "arena" in stats:
-        arena = stats["arena"]
-        print(
-            f"slots     {arena['slots']} of {_human(arena['slot_bytes'])} in shared memory, "  # type: ignore[index]
-            f"{arena['evicted']} evicted so far"  # type: ignore[index]
-        )
+    for line in own:
+        print(line)
     if stats["foreign_files"]:
         print(f"foreign   {stats['foreign_files']} files that are not UCM blocks")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     signer = signer_for(args.secret, "--secret")
-    return max(_verify(root, signer, args.remove) for root in _stores(args.path))
-
-
-def _verify(root: str, signer: BlockSigner | None, remove: bool) -> int:
-    """Verify one store; 1 if a corrupt block is left in it."""
-    if _is_arena(root):
-        return _verify_arena(root, signer, remove)
-    scan = scan_store(root)
-    corrupt: list[tuple[str, str]] = []
-    unchecked = 0
-    for block in tqdm(scan.blocks, desc="verify", unit="block", disable=None, file=sys.stderr):
-        problem = verify_block_file(block.path, signer)
-        if problem == NEEDS_SECRET or (problem or "").startswith(OTHER_VERSION):
-            unchecked += 1  # not known to be bad: another secret's or another build's
-            if problem != NEEDS_SECRET:
-                print(f"OTHER VERSION {block.path}: {problem} (ucm store gc --other-versions)")
-        elif problem:
-            corrupt.append((block.name, problem))
-    left = len(corrupt)
-    root_fd = open_dir(root)
-    try:
-        for name, problem in corrupt:
-            print(f"CORRUPT {os.path.join(root, block_relative(name))}: {problem}")
-            if remove:
-                try:
-                    unlink_in(root_fd, block_relative(name))
-                    left -= 1
-                except OSError as exc:
-                    print(f"  cannot remove: {exc.strerror}")
-    finally:
-        os.close(root_fd)
-    for path in scan.foreign:
-        print(f"FOREIGN {path}: not a UCM block (ignored by the store)")
-    if unchecked:
-        print(f"UNCHECKED {unchecked} blocks: signed (give --secret) or of another version")
-    verdict = "FAILED" if left else ("REPAIRED" if corrupt else "OK")
-    removed = f" ({len(corrupt) - left} removed)" if remove and corrupt else ""
-    print(
-        f"{verdict}: {len(scan.blocks) - unchecked} blocks checked, {len(corrupt)} corrupt"
-        f"{removed}, {len(scan.foreign)} foreign files, {scan.temps_removed} stale temporary "
-        "files removed"
-    )
-    return 1 if left else 0
-
-
-def _verify_arena(root: str, signer: BlockSigner | None, remove: bool) -> int:
-    arena = _arena(root)
-    try:
-        checked, corrupt = verify_arena(arena, signer, remove)
-        problems = arena.check()
-    finally:
-        arena.close()
-    for problem in problems:
-        print(f"INCONSISTENT {root}/{ARENA_FILE}: {problem}")
-    left = 0 if remove else corrupt
-    verdict = "FAILED" if left or problems else ("REPAIRED" if corrupt else "OK")
-    removed = f" ({corrupt} removed)" if remove and corrupt else ""
-    print(f"{verdict}: {checked} blocks checked, {corrupt} corrupt{removed}")
-    return 1 if left or problems else 0
+    return max(store.verify(signer, args.remove) for store in _stores(args.path))
 
 
 def positive_number(kind: type, high: float) -> Callable[[str], Any]:
@@ -234,83 +121,12 @@ _capacity_gb = positive_number(float, MAX_GIB)
 def cmd_gc(args: argparse.Namespace) -> int:
     if args.capacity_gb is None and not args.other_versions:
         raise CliError("say what to remove: --capacity-gb, --other-versions, or both")
-    roots = _stores(args.path)
-    for root in roots:
-        label = f"gc {os.path.basename(root)}" if len(roots) > 1 else "gc"
-        if _is_arena(root):
-            if args.capacity_gb is not None:
-                _gc_arena(root, int(args.capacity_gb * GIB), args.dry_run, label)
-            continue  # one format version: the arena's geometry and version are checked
-        if args.other_versions:
-            _gc_other_versions(root, args.dry_run, label)
-        if args.capacity_gb is not None:
-            _gc(root, int(args.capacity_gb * GIB), args.dry_run, label)
+    stores = _stores(args.path)
+    capacity = None if args.capacity_gb is None else int(args.capacity_gb * GIB)
+    for store in stores:
+        label = f"gc {os.path.basename(store.root)}" if len(stores) > 1 else "gc"
+        store.gc(capacity, args.other_versions, args.dry_run, label)
     return 0
-
-
-def _gc_other_versions(root: str, dry_run: bool, label: str) -> None:
-    """Remove the blocks of other format versions (left alone by the stores: a build that
-    reads them may still share the folder)."""
-    scan = scan_store(root, remove_temps=not dry_run)
-    other = [b for b in scan.blocks if block_version(b.path) not in (None, FORMAT_VERSION)]
-    if not dry_run and other:
-        root_fd = open_dir(root)
-        try:
-            usage = SharedUsage(root_fd)
-            try:
-                for block in other:
-                    if unlink_in(root_fd, block_relative(block.name), block.inode):
-                        usage.add(-block.size, -1)
-            finally:
-                usage.close()
-        finally:
-            os.close(root_fd)
-    what = "would remove" if dry_run else "removed"
-    size = sum(b.size for b in other)
-    print(f"{label}: {what} {len(other)} blocks of other format versions ({_human(size)})")
-
-
-def _gc(root: str, target: int, dry_run: bool, label: str) -> None:
-    root_fd = open_dir(root)
-    usage = None
-    try:
-        if not dry_run:
-            try:
-                usage = SharedUsage(root_fd)
-            except OSError:
-                pass  # a store that cannot be written: nothing will be removed either
-        counted = usage.read() if usage is not None else (0, 0)
-        scan = scan_store(root, remove_temps=not dry_run)
-        before = scan.bytes
-        remaining, count = evict_lru(scan, target, root_fd, dry_run=dry_run)
-        if usage is not None:  # the engines' count follows what gc removed
-            removed = (before - remaining, len(scan.blocks) - count)
-            usage.resync((remaining, count), counted, removed)
-    finally:
-        if usage is not None:
-            usage.close()
-        os.close(root_fd)
-    gone = len(scan.blocks) - count
-    what = f"would remove {gone} blocks" if dry_run else f"{gone} blocks removed"
-    print(
-        f"{label}: {what}, {_human(before)} -> {_human(remaining)} (capacity "
-        f"{_human(target)}), {scan.temps_removed} stale temporary files removed"
-    )
-
-
-def _gc_arena(root: str, target: int, dry_run: bool, label: str) -> None:
-    arena = _arena(root)
-    try:
-        before = arena.stats()
-        over = max(0, before["blocks"] - target // arena.geometry.slot_bytes)
-        gone = over if dry_run else arena.evict(over) if over else 0
-        after = before["bytes"] if dry_run else arena.stats()["bytes"]
-    finally:
-        arena.close()
-    what = f"would remove {gone} blocks" if dry_run else f"{gone} blocks removed"
-    print(
-        f"{label}: {what}, {_human(before['bytes'])} -> {_human(after)} (capacity {_human(target)})"
-    )
 
 
 def cmd_model_id(args: argparse.Namespace) -> int:
@@ -336,7 +152,7 @@ def cmd_model_id(args: argparse.Namespace) -> int:
         )
         return 0
     print(f"weights   {digest}")
-    print(f"files     {len(files)}, {_human(size)}")
+    print(f"files     {len(files)}, {human(size)}")
     print(f"seconds   {seconds:.3f} ({args.weights_digest})")
     return 0
 
@@ -378,7 +194,7 @@ def _model_size(args: argparse.Namespace) -> int:
         kv = f"{shape.attention}, {shape.kv_heads} KV heads of {shape.head_dim}"
         if tp > 1:
             kv += f", {size.kv_heads_per_rank} per rank"
-    per_token = f"{size.bytes_per_token} B ({_human(size.bytes_per_token)})"
+    per_token = f"{size.bytes_per_token} B ({human(size.bytes_per_token)})"
     if size.writers > 1:
         per_token += f" per rank, {size.writers * size.bytes_per_token} B on {tp} ranks"
     elif tp > 1:
@@ -390,28 +206,27 @@ def _model_size(args: argparse.Namespace) -> int:
     print(
         f"block      {size.block_tokens} tokens: {size.block_payload_bytes} B payload + "
         f"{size.block_bytes - size.block_payload_bytes} B header = {size.block_bytes} B "
-        f"({_human(size.block_bytes)})" + (" per rank" if size.writers > 1 else "")
+        f"({human(size.block_bytes)})" + (" per rank" if size.writers > 1 else "")
     )
     if size.tail_bytes:
         print(
             f"tail       {size.tail_tokens} tokens of the window layers, {size.tail_bytes} B "
-            f"({_human(size.tail_bytes)}) at each block boundary"
+            f"({human(size.tail_bytes)}) at each block boundary"
             + (" per rank" if size.writers > 1 else "")
         )
     blocks = f"{holding.blocks} blocks"
     if size.writers > 1:
         blocks += f" ({holding.blocks // size.writers} per rank)"
     share = (
-        f" (the full-attention share, {_human(holding.full_capacity_bytes)})"
+        f" (the full-attention share, {human(holding.full_capacity_bytes)})"
         if size.tail_bytes
         else ""
     )
     print(
-        f"capacity   {_human(holding.capacity_bytes)} holds {blocks}{share}: "
-        f"{holding.tokens} tokens"
+        f"capacity   {human(holding.capacity_bytes)} holds {blocks}{share}: {holding.tokens} tokens"
     )
     if size.tail_bytes:
-        window = _human(holding.window_capacity_bytes)
+        window = human(holding.window_capacity_bytes)
         print(f"           and {holding.tails} window tails in {window}")
     for note in size.notes:
         print(f"note       {note}")
@@ -542,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except ConfigError as exc:
         return _fail(args, f"invalid configuration: {exc}", 2)
-    except (CliError, OSError) as exc:
+    except (CliError, FolderError, OSError) as exc:
         return _fail(args, str(exc), 1)
 
 

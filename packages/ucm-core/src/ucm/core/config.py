@@ -25,10 +25,10 @@ from ucm.core.settings import (
 )
 from ucm.core.store.dram.config import DramStoreConfig, default_shared_memory_path
 from ucm.core.store.kinds import (
-    STORE_CONFIGS,
-    STORE_KINDS,
-    StoreConfig,
+    StoreSettings,
+    builtin_settings_classes,
     for_lookups_only,
+    kind_names,
     parse_store_config,
 )
 from ucm.core.store.mooncake.config import MooncakeStoreConfig
@@ -40,7 +40,10 @@ def _is_store(_inst: object, attribute: attrs.Attribute[Any], value: object) -> 
     parse_store_config(value, attribute.name)
 
 
-_is_store.allowed = "the settings of a posix, dram, tiered or mooncake store (above)"  # type: ignore[attr-defined]
+_is_store.allowed = (  # type: ignore[attr-defined]
+    "the settings of a posix, dram, tiered or mooncake store (above), or of a kind another "
+    "distribution adds"
+)
 
 
 def store_setting() -> Any:
@@ -87,7 +90,10 @@ class HybridSettings:
 
 #: Every class documented in the configuration reference, in order.
 DOCUMENTED_CLASSES: list[tuple[str, type]] = [
-    *((f"store (kind: {attrs.fields(cls).kind.default})", cls) for cls in STORE_CONFIGS),
+    *(
+        (f"store (kind: {attrs.fields(cls).kind.default})", cls)  # type: ignore[arg-type]
+        for cls in builtin_settings_classes()
+    ),
     ("Hybrid models", HybridSettings),
 ]
 
@@ -95,18 +101,18 @@ __all__ = [
     "DOCUMENTED_CLASSES",
     "GIB",
     "default_shared_memory_path",
-    "STORE_KINDS",
     "ConfigError",
     "DramStoreConfig",
     "HybridSettings",
     "MooncakeStoreConfig",
     "PosixStoreConfig",
-    "StoreConfig",
+    "StoreSettings",
     "TieredStoreConfig",
     "default_store_path",
     "for_lookups_only",
     "from_dict",
     "gib_to_bytes",
+    "kind_names",
     "load_yaml",
     "parse_store_config",
     "store_setting",

@@ -16,7 +16,7 @@ import attrs
 from ucm.core.config import HybridSettings
 from ucm.core.hybrid import BlockRef, HybridLayout, tail_range
 from ucm.core.settings import ConfigError, check_int
-from ucm.core.store.kinds import STORE_CONFIGS, StoreConfig
+from ucm.core.store.kinds import StoreSettings
 from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR
 
 
@@ -104,8 +104,8 @@ def plan_dump(
 
 
 def split_store_config(
-    config: StoreConfig, wa_fraction: float = 0.5
-) -> tuple[StoreConfig, StoreConfig]:
+    config: StoreSettings, wa_fraction: float = 0.5
+) -> tuple[StoreSettings, StoreSettings]:
     """The (full-attention, window) store configurations made from one, by its kind's
     ``split``: posix: subdirectories ``fa`` and ``wa`` of its path, the capacity split (no
     limit stays no limit); dram: the capacity split (and the path, in shared memory);
@@ -121,7 +121,7 @@ def split_store_config(
         raise ConfigError(
             "wa_capacity_fraction", f"must be a number between 0 and 1, got {wa_fraction!r}"
         )
-    if not isinstance(config, STORE_CONFIGS):
+    if not isinstance(config, StoreSettings):
         raise TypeError(f"not a store configuration: {config!r}")
     return config.split(wa_fraction)
 

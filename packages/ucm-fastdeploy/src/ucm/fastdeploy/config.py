@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from ucm.core.config import StoreConfig, store_setting
+from ucm.core.config import StoreSettings, store_setting
 from ucm.core.model_identity import DIGEST_MODES
 from ucm.core.settings import (
     ConfigError,
@@ -65,7 +65,7 @@ _is_policy.allowed = "the settings of [Slice writes](#slice-writes)"  # type: ig
 class FastDeployConfig:
     """Settings of ``ucm.fastdeploy.AttentionStore`` and ``UCMStorage`` (``ucm_config``)."""
 
-    store: StoreConfig = store_setting()
+    store: StoreSettings = store_setting()
     model_path: str | None = setting(
         "The folder of the model FastDeploy serves: the digests of its config.json and its "
         "weights name the model in every key (as vLLM's connector does), so two models, "

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 from ucm.core.config import (
     DramStoreConfig,
-    StoreConfig,
+    StoreSettings,
     store_setting,
     wa_capacity_fraction_setting,
     wa_dump_block_wise_setting,
@@ -61,7 +61,7 @@ _cpus_setting.allowed = "`spare`, `inherit`, or a CPU list"  # type: ignore[attr
 class ConnectorConfig:
     """Settings of ``UCMConnector`` (``kv_connector_extra_config``)."""
 
-    store: StoreConfig = store_setting()
+    store: StoreSettings = store_setting()
     block_tokens: int = setting(
         "Tokens per stored block; a multiple of vLLM's block size in every KV-cache group. "
         "A hit ends at the last whole stored block, so in a growing conversation each "

@@ -27,7 +27,7 @@ from ucm.vllm.placement import worker_store_cpus
 from ucm.vllm.scheduler import SchedulerSide
 from ucm.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.vllm.stores import ConnectorStores
-from ucm.vllm.support import loads_refused, store_summary, version_warning
+from ucm.vllm.support import loads_refused, version_warning
 from ucm.vllm.worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -265,7 +265,7 @@ def _log_start(config: Any, layout: Any) -> None:
     log.info(
         "UCMConnector active: store %s; %d-token blocks; %d KV-cache group(s); "
         "tensor-parallel world %d; model identity %s",
-        store_summary(config.store),
+        config.store.summary(),
         layout.block_tokens,
         len(layout.groups),
         layout.world_size,

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ucm.core.config import StoreSettings
 from ucm.vllm.layout import ModelLayout
 from ucm.vllm.transfers import DROPPED, Item, Report
 
@@ -205,9 +206,7 @@ class StoredEvents:
             self.blocks.removable((it.group, it.chain_key), self._removed(it, block))
 
 
-def medium_of(store: Any) -> str:
+def medium_of(store: StoreSettings) -> str:
     """The tier a block lands in first, as vLLM's event ``medium`` names tiers: host memory
-    (``CPU``) for a dram store or a tiered store with a dram front, else ``STORAGE``."""
-    if store.kind == "tiered":
-        return "CPU" if store.dram is not None else medium_of(store.local or store.backing)
-    return "CPU" if store.kind == "dram" else "STORAGE"
+    (``CPU``: a dram store, a tiered store with a dram front), else ``STORAGE``."""
+    return "CPU" if store.in_host_memory else "STORAGE"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ucm.core.config import StoreConfig, for_lookups_only
+from ucm.core.config import StoreSettings, for_lookups_only
 from ucm.core.hybrid_store import split_store_config
 from ucm.core.store import Store, create_store
 from ucm.vllm.layout import GroupLayout
@@ -21,7 +21,7 @@ class ConnectorStores:
 
     @classmethod
     def open(
-        cls, config: StoreConfig, hybrid: bool, wa_fraction: float, *, lookups_only: bool = False
+        cls, config: StoreSettings, hybrid: bool, wa_fraction: float, *, lookups_only: bool = False
     ) -> ConnectorStores | None:
         """The stores, or None (with a warning) when they cannot be used: serve without.
         ``lookups_only``: for the scheduler, which never moves a block."""

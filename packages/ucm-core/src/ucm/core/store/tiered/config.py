@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import attrs
 from ucm.core.settings import (
-    GIB,
     ConfigError,
     from_dict,
     instance_of,
@@ -19,11 +17,8 @@ from ucm.core.settings import (
     size_gib,
 )
 from ucm.core.store.dram.config import DramStoreConfig
-from ucm.core.store.mooncake.config import MooncakeStoreConfig
+from ucm.core.store.kinds import StoreSettings, parse_store_config
 from ucm.core.store.posix.config import PosixStoreConfig
-
-if TYPE_CHECKING:
-    from ucm.core.store.base import Store
 
 
 def _parse_dram(value: object, where: str) -> DramStoreConfig:
@@ -42,22 +37,31 @@ def _parse_local(value: object, where: str) -> PosixStoreConfig | None:
     return from_dict(PosixStoreConfig, data, where)
 
 
-def _parse_backing(
-    value: object, where: str
-) -> PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig:
-    from ucm.core.store.kinds import parse_store_config  # the registry lists this kind too
-
+def _parse_backing(value: object, where: str) -> StoreSettings:
     config = parse_store_config(value, where)
     if isinstance(config, TieredStoreConfig):
         raise ConfigError(f"{where}.kind", "a tiered store cannot back another tiered store")
     return config
 
 
+def _backing(inst: object, attribute: attrs.Attribute[StoreSettings], value: object) -> None:
+    if not isinstance(value, StoreSettings) or isinstance(value, TieredStoreConfig):
+        raise ConfigError(attribute.name, f"must be the settings of a store, got {value!r}")
+
+
+_backing.allowed = (  # type: ignore[attr-defined]
+    "the settings of a posix, dram or mooncake store (above), or of a kind another "
+    "distribution adds"
+)
+
+
 @attrs.frozen
-class TieredStoreConfig:
+class TieredStoreConfig(StoreSettings):
     """A local tier over another store: writes go to both (to the one below from the local
     tier's copy, behind the engine's back), reads are served by the local tier where it holds
     the block, else by the one below and then promoted into the local tier."""
+
+    STORE = "ucm.core.store.tiered.store:open_tiered_store"
 
     kind: str = setting("Store kind.", default="tiered", validator=one_of("tiered"))
     dram: DramStoreConfig = setting(
@@ -73,11 +77,11 @@ class TieredStoreConfig:
         validator=optional(instance_of(PosixStoreConfig)),
         metadata={"parse": _parse_local},
     )
-    backing: PosixStoreConfig | DramStoreConfig | MooncakeStoreConfig = setting(
+    backing: StoreSettings = setting(
         "The store under the local tier (the settings of a posix, dram or mooncake store, "
         "with its kind; posix when the kind is left out).",
         factory=PosixStoreConfig,
-        validator=instance_of((PosixStoreConfig, DramStoreConfig, MooncakeStoreConfig)),
+        validator=_backing,
         metadata={"parse": _parse_backing},
     )
 
@@ -105,12 +109,6 @@ class TieredStoreConfig:
         """The local tier's settings."""
         return self.local if self.local is not None else self.dram
 
-    def open(self) -> Store:
-        from ucm.core.store.tiered.store import TieredStore
-
-        behind = None if self.write_behind_gb is None else int(self.write_behind_gb * GIB)
-        return TieredStore(self.front.open(), self.backing.open(), write_behind_bytes=behind)
-
     def split(self, wa_fraction: float) -> tuple[TieredStoreConfig, TieredStoreConfig]:
         """Hybrid models: both tiers split."""
         fa_dram, wa_dram = self.dram.split(wa_fraction)
@@ -123,3 +121,10 @@ class TieredStoreConfig:
 
     def for_lookups_only(self) -> TieredStoreConfig:
         return attrs.evolve(self, backing=self.backing.for_lookups_only())
+
+    def summary(self) -> str:
+        return f"tiered: {self.front.summary()} -> {self.backing.summary()}"
+
+    @property
+    def in_host_memory(self) -> bool:
+        return self.front.in_host_memory

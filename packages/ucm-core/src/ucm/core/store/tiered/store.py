@@ -17,14 +17,28 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from ucm.core.settings import ConfigError
+from ucm.core.settings import GIB, ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.process import DramStore
 from ucm.core.store.dram.shared import SharedMemoryStore
+from ucm.core.store.kinds import create_store
 from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import CANCELLED, KeyResult, Status, Task
 from ucm.core.store.tiered.behind import WriteBehind
+from ucm.core.store.tiered.config import TieredStoreConfig
 from ucm.core.store.writes import SlotWrites
+
+
+def open_tiered_store(settings: TieredStoreConfig) -> TieredStore:
+    """The tiered store its settings describe: both tiers opened, the front first."""
+    behind = None if settings.write_behind_gb is None else int(settings.write_behind_gb * GIB)
+    front = create_store(settings.front)
+    try:
+        backing = create_store(settings.backing)
+    except BaseException:
+        front.close()
+        raise
+    return TieredStore(front, backing, write_behind_bytes=behind)
 
 
 class TieredStore(Store):
