@@ -1,9 +1,9 @@
 """Check the built distributions of every package: what a user installs must hold every
 module of the source tree and nothing else, under the project's version, with the
-dependencies and extras its pyproject.toml names and the repository's LICENSE.  The library
-distributions hold no harness module (benchmarks, demos, test helpers: those live in
-ucm-lab) and depend only on what their modules import; ucm-lab is marked never to be
-uploaded.
+dependencies and extras its pyproject.toml names (its siblings at its own version) and the
+repository's LICENSE.  The library distributions hold no harness module (benchmarks, demos,
+test helpers: those live in ucm-lab) and depend only on what their modules import; ucm-lab
+is marked never to be uploaded.
 
     python tools/check_dists.py DIST_DIR        (needs ``packaging``)
 
@@ -144,6 +144,13 @@ def check(package: Path, dist: Path, version: str) -> list[str]:
         problems.append(f"{name}: the metadata lacks the requirement {lost}")
     for odd in sorted(required - wanted):
         problems.append(f"{name}: the metadata requires {odd}, which pyproject.toml does not")
+    for requirement in sorted(required):  # the siblings come at this very version
+        sibling = Requirement(requirement)
+        if sibling.name.startswith("ucm-") and str(sibling.specifier) != f"=={version}":
+            problems.append(
+                f"{name}: requires {sibling.name}{sibling.specifier}, not =={version} "
+                "(a sibling of another version breaks at import)"
+            )
     extras = set(metadata.get_all("Provides-Extra") or [])
     if extras != set(project.get("optional-dependencies", {})):
         problems.append(f"{name}: extras {sorted(extras)}, pyproject.toml names others")
