@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+import attrs
 import pytest
 from ucm.lab.testing.fastdeploy import (
     BLOCK,
@@ -168,7 +169,7 @@ def test_read_timeout_returns_the_loaded_prefix(store_path, copy):
         assert fd.write("w", k, v, prompt, list(range(8)), 0) == 8
     store = WrappedStore(store_path, load_delay=0.3)
     fd = make_store(store_path, store=store, ucm_config={"zero_copy": copy})
-    fd._mover.chunk_bytes = fd_block_nbytes()  # one block a step
+    fd._mover.settings = attrs.evolve(fd._mover.settings, step_bytes=fd_block_nbytes())
     k2, v2 = zeros_like(k), zeros_like(v)
     got = fd.read("r", k2, v2, prompt, list(range(8, 16)), 0, timeout=0.45)
     assert 1 <= got < 8
@@ -294,7 +295,7 @@ def test_many_layers_many_steps(store_path):
     table = list(range(blocks))[::-1]
     cfg = {"pipeline_chunk_mb": 1, "pipeline_depth": 2, "slice_write": {"slice_blocks": 7}}
     with make_store(store_path, ucm_config=cfg) as fd:
-        fd._mover.chunk_bytes = 3 * fd_block_nbytes()  # three blocks a step
+        fd._mover.settings = attrs.evolve(fd._mover.settings, step_bytes=3 * fd_block_nbytes())
         assert fd.write("w", k, v, prompt, table, 0) == blocks
         k2, v2 = zeros_like(k), zeros_like(v)
         assert fd.read("r", k2, v2, prompt, list(range(blocks)), 0) == blocks

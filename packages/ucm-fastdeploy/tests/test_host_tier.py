@@ -17,7 +17,7 @@ import torch
 from ucm.core.store import SharedMemoryStore
 from ucm.core.store.dram.arena import WRITING
 from ucm.fastdeploy import AttentionStore
-from ucm.fastdeploy.transfer import Mover
+from ucm.kernels.mover.pipeline import _Run as Mover  # a run's gathers and scatters through rows
 from ucm.lab.testing.core import flip_shared_block_byte
 
 LAYERS, HEADS, BLOCK, DIM, BLOCKS = 4, 8, 64, 128, 24  # bf16: 1 MiB a block, every layer
@@ -62,8 +62,8 @@ def _no_staging(monkeypatch: pytest.MonkeyPatch) -> None:
     def staged(*args: object, **kwargs: object) -> None:
         raise AssertionError("a block went through a staging row")
 
-    monkeypatch.setattr(Mover, "_gather", staged)
-    monkeypatch.setattr(Mover, "_scatter", staged)
+    monkeypatch.setattr(Mover, "gather", staged)
+    monkeypatch.setattr(Mover, "scatter", staged)
 
 
 def test_blocks_move_straight_into_and_out_of_the_host_tier(shm_dir, monkeypatch) -> None:
@@ -109,7 +109,7 @@ def test_small_blocks_and_zero_copy_off_are_staged(shm_dir, monkeypatch) -> None
     """Below 1 MiB a block copies faster into rows than into slots apart; zero_copy false
     stages everything.  Both store the same bytes."""
     calls = {"gather": 0, "scatter": 0}
-    gather, scatter = Mover._gather, Mover._scatter
+    gather, scatter = Mover.gather, Mover.scatter
 
     def counted_gather(self, *args):
         calls["gather"] += 1
@@ -119,8 +119,8 @@ def test_small_blocks_and_zero_copy_off_are_staged(shm_dir, monkeypatch) -> None
         calls["scatter"] += 1
         return scatter(self, *args)
 
-    monkeypatch.setattr(Mover, "_gather", counted_gather)
-    monkeypatch.setattr(Mover, "_scatter", counted_scatter)
+    monkeypatch.setattr(Mover, "gather", counted_gather)
+    monkeypatch.setattr(Mover, "scatter", counted_scatter)
     n = 6
     tokens = _tokens(n)
     for heads, settings in ((2, {}), (HEADS, {"zero_copy": False})):
@@ -160,8 +160,8 @@ def test_a_step_the_store_has_no_room_for_goes_through_rows_in_order(shm_dir, mo
     for name in ("open_writes", "open_reads"):
         real = getattr(SharedMemoryStore, name)
         monkeypatch.setattr(SharedMemoryStore, name, every_third_refused(name, real))
-    monkeypatch.setattr(Mover, "_gather", counted("gather", Mover._gather))
-    monkeypatch.setattr(Mover, "_scatter", counted("scatter", Mover._scatter))
+    monkeypatch.setattr(Mover, "gather", counted("gather", Mover.gather))
+    monkeypatch.setattr(Mover, "scatter", counted("scatter", Mover.scatter))
     k, v = _caches(7)
     n = 11
     tokens = _tokens(n)

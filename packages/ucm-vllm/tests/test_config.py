@@ -132,7 +132,7 @@ def open_memo(settings):
     return DramStore(DramStoreConfig(scope="process", capacity_gb=settings.capacity_gb))
 '''
 
-USE = '''
+USE = """
 import numpy as np
 from ucm.core.config import kind_names
 from ucm.core.settings import ConfigError
@@ -163,7 +163,7 @@ except ConfigError as exc:
 else:
     raise AssertionError("bad settings of a plug-in kind were taken")
 print("used")
-'''
+"""
 
 
 def test_a_store_kind_from_another_distribution_is_named_in_vllms_config(tmp_path):

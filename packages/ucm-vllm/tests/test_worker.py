@@ -281,14 +281,14 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         reader, cache = worker_of(SharedMemoryStore(config), 1)
         assert reader.in_place
         before = cache.clone()
-        free = reader.rows.free_bytes
+        free = reader.mover.pool.free_bytes
         reader._scatter = None  # nothing may go through host rows
         loads = [Item(0, k, chain[k], [11 + k]) for k in range(4)]
         reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))
         assert torch.equal(cache[11:13], stored[1:3])  # the two blocks before the bad one
         assert reader.take_load_errors() == {13, 14}
         assert torch.equal(cache[15:], before[15:]) and torch.equal(cache[:11], before[:11])
-        assert reader.rows.free_bytes == free
+        assert reader.mover.pool.free_bytes == free
         reader.shutdown()
 
         on_disk, _ = worker_of(PosixStore(PosixStoreConfig(path=str(tmp_path / "s"))), 2)
@@ -326,8 +326,8 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
 
     writer, stored = worker(0)
     taken = []
-    take = writer.rows.take
-    writer.rows.take = lambda *a, **kw: taken.append(a) or take(*a, **kw)
+    take = writer.mover.pool.take
+    writer.mover.pool.take = lambda *a, **kw: taken.append(a) or take(*a, **kw)
     writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
     finish_dumps(writer, "cold")
     assert writer.tracker.counts.ok == 3
@@ -342,8 +342,8 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
 
     reader, cache = worker(1)
     taken = []
-    take = reader.rows.take
-    reader.rows.take = lambda *a, **kw: taken.append(a) or take(*a, **kw)
+    take = reader.mover.pool.take
+    reader.mover.pool.take = lambda *a, **kw: taken.append(a) or take(*a, **kw)
     targets = [Item(0, it.key, it.chain_key, [b + 12 for b in it.block_ids]) for it in items]
     reader.start_load_kv(StepPlan(loads=[Transfer("warm", targets)]))
     deadline = time.monotonic() + 30
@@ -379,18 +379,18 @@ def test_on_a_gpu_blocks_move_straight_between_the_device_and_the_host_tier(
     def worker(seed, **kw):
         side, cache = worker_on(SharedMemoryStore(config), seed=seed, device=device, **kw)
         taken = []
-        take = side.rows.take
-        side.rows.take = lambda *a, **k: taken.append(a) or take(*a, **k)
+        take = side.mover.pool.take
+        side.mover.pool.take = lambda *a, **k: taken.append(a) or take(*a, **k)
         return side, cache, taken
 
     writer, stored, taken = worker(0)
-    assert bool(writer.pinned) is (device == "cuda")
+    assert bool(writer.mover.pinned) is (device == "cuda")
     writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
     finish_dumps(writer, "cold")
     assert writer.tracker.counts.ok == 4
     assert bool(taken) is (device == "cpu")  # eight small engine blocks a block: rows on a CPU
     writer.shutdown()
-    assert not writer.pinned  # unregistered before the store unmaps its memory
+    assert not writer.mover.pinned  # unregistered before the store unmaps its memory
     flip_shared_block_byte(shm_path, writer._keys(items[2:3])[0])
 
     reader, cache, taken = worker(1, sync_loads=sync_loads)
@@ -433,12 +433,13 @@ def test_a_copy_out_of_lent_blocks_that_is_refused_is_a_miss_and_rows_take_over(
     writer.shutdown()
 
     reader, cache = worker(1)
-    load = reader.stager.load
+    stager = reader.mover.stager(cache.device)  # this thread's: it scatters the loads
+    load = stager.load
 
     def refused(*args, **kwargs):
         raise ValueError("host_buffers[0] is not pinned")
 
-    reader.stager.load = refused
+    stager.load = refused
     loads = [Item(0, k, chain[k], [11 + k]) for k in range(3)]
 
     def load_all(req_id):
@@ -449,9 +450,9 @@ def test_a_copy_out_of_lent_blocks_that_is_refused_is_a_miss_and_rows_take_over(
             time.sleep(0.01)
 
     load_all("a")
-    assert reader.take_load_errors() == {11, 12, 13} and not reader.lending
+    assert reader.take_load_errors() == {11, 12, 13} and reader.mover.refused
     assert reader.stores.full._arena.stats()["pinned"] == 0
-    reader.stager.load = load
+    stager.load = load
     load_all("b")  # through rows now
     assert reader.take_load_errors() == set()
     assert torch.equal(cache[11:14], stored[1:4])

@@ -42,9 +42,14 @@ from ucm.fastdeploy.tensors import (
     check_timeout,
     check_tokens,
 )
-from ucm.fastdeploy.transfer import SHARED_POOL, Ahead, Mover
+from ucm.kernels.mover import Ahead, Mover, MoverSettings, RowPool, read_run, write_run
 
 log = logging.getLogger(__name__)
+
+#: the process's rows (a FastDeploy cache transfer process has one AttentionStore, tests and
+#: benchmarks make many: they all reuse these), as much kept as 16 steps of the default
+#: 32 MiB
+SHARED_POOL = RowPool(512 << 20)
 
 #: keys of one lookup call in ``query``: the timeout is checked between calls
 _QUERY_BATCH = 256
@@ -201,11 +206,13 @@ class AttentionStore:
             raise
         self.residency = ResidencyIndex(self.settings.residency_index_blocks)
         self._mover = Mover(
-            self.store,
+            MoverSettings(
+                zero_copy=self.settings.zero_copy,
+                step_bytes=self.settings.pipeline_chunk_mb << 20,
+                depth=self.settings.pipeline_depth,
+                grace_s=self.settings.cancel_grace_s,
+            ),
             SHARED_POOL,
-            self.settings.pipeline_chunk_mb << 20,
-            self.settings.pipeline_depth,
-            self.settings.zero_copy,
         )
         log.info(
             "ucm fastdeploy AttentionStore: namespace=%s model_version=%s shard=%d/%d "
@@ -302,18 +309,22 @@ class AttentionStore:
             timeout,
         )
 
-        ahead = Ahead(self._mover.pool)  # staged: the next slice's first steps, gathered early
+        ahead = Ahead(self._mover.pool)  # through rows: the next slice's first steps, early
+        caches, tag = cs.for_mover(), cs.tag()
 
         def write_slice(s: int, e: int, budget: float) -> int:
             deadline = time.monotonic() + budget
             following = min(e + self.policy.slice_blocks, start + n)
-            return self._mover.write(
-                cs,
+            return write_run(
+                self._mover,
+                caches,
                 ids[s - start : e - start],
                 keys[s - start : e - start],
+                self.store,
+                tag,
+                cs.nbytes,
                 deadline,
-                self.settings.cancel_grace_s,
-                label,
+                f"fastdeploy {label}",
                 ahead,
                 ids[e - start : following - start],
             )
@@ -351,9 +362,10 @@ class AttentionStore:
         began = time.monotonic()
         keys = self.keyspace.keys(tokens, start, start + n)
         label = f"task_id={task_id}"
-        filled = self._mover.read(
-            cs, ids[:n], keys, began + timeout, self.settings.cancel_grace_s, label
-        )
+        filled = read_run(
+            self._mover, cs.for_mover(), ids[:n], keys, self.store, cs.tag(), cs.nbytes,
+            began + timeout, f"fastdeploy {label}",
+        )  # fmt: skip
         log.debug(
             "ucm fastdeploy read %s: blocks=[%d, %d) read=%d/%d seconds=%.3f",
             label,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 from ucm.kernels import PayloadLayout, payload_layout
+from ucm.kernels.mover import Caches
 
 #: the header's layout tag: what the payload bytes mean, on top of the kernels' descriptor
 TAG_PREFIX = b"fastdeploy-as/1;order=k0v0k1v1|"
@@ -56,6 +57,10 @@ class CacheSet:
 
     def tag(self) -> bytes:
         return TAG_PREFIX + self.layout.descriptor()
+
+    def for_mover(self) -> Caches:
+        """These caches as the mover takes them."""
+        return Caches(self.caches, self.scales)
 
 
 def _as_list(value: object, what: str) -> list[object]:

@@ -7,7 +7,9 @@ the reverse.  A Triton kernel runs on a GPU; a torch fallback runs everywhere el
 layout makes it one (on the CPU: then a store reads and writes the caches in place).
 :class:`HostStager` moves the same payloads between a GPU and pinned host buffers on a side
 stream; :class:`PinnedRegions` registers a store's own host memory with the CUDA driver, so
-that those copies go straight into and out of it.
+that those copies go straight into and out of it.  :mod:`ucm.kernels.mover` is what the
+engine adapters drive: one mover of blocks between their caches and a store, the route of
+each batch chosen by one rule.
 """
 
 from ucm.kernels.api import (

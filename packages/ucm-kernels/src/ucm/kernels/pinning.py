@@ -123,6 +123,14 @@ class PinnedRegions:
                 return whole, offset
         raise ValueError(f"{nbytes} bytes at {address:#x} lie outside the registered regions")
 
+    def holds(self, view: memoryview) -> bool:
+        """Whether ``view`` lies inside a registered region."""
+        try:
+            self._region_of(address_of(view), view.nbytes)
+        except ValueError:
+            return False
+        return True
+
     def __len__(self) -> int:
         return len(self._addresses)
 

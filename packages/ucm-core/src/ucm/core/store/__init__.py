@@ -12,7 +12,7 @@ from ucm.core.store.dram import DramStore, SharedMemoryStore
 from ucm.core.store.kinds import create_store
 from ucm.core.store.payload import Payload
 from ucm.core.store.posix import PosixStore
-from ucm.core.store.task import KeyResult, Status, Task
+from ucm.core.store.task import KeyResult, Status, Task, first_problem, verified_prefix
 from ucm.core.store.tiered import TieredStore
 
 __all__ = [
@@ -27,4 +27,6 @@ __all__ = [
     "Task",
     "TieredStore",
     "create_store",
+    "first_problem",
+    "verified_prefix",
 ]

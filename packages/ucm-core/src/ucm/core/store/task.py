@@ -39,6 +39,32 @@ MISS = KeyResult(Status.MISS)
 CANCELLED = KeyResult(Status.CANCELLED)
 
 
+def verified_prefix(
+    results: Sequence[KeyResult | None], blocks: Sequence[int] | None = None
+) -> int:
+    """How many leading blocks count after a load: a block counts only if it and every
+    block before it verified, since the engine recomputes from the first one that did not.
+
+    ``results[i]`` is the result of block ``blocks[i]`` (several results may share a block:
+    one per KV-cache group); by default result ``i`` is block ``i``.  ``None``: no result
+    (not done, timed out, the store was unavailable), which counts as a failure."""
+    numbers = range(len(results)) if blocks is None else blocks
+    failed = [b for b, r in zip(numbers, results) if r is None or not r.ok]
+    if failed:
+        return min(failed)
+    return max(numbers, default=-1) + 1
+
+
+def first_problem(results: Sequence[KeyResult | None]) -> str:
+    """What went wrong with the first result that did not verify ("" when none)."""
+    for result in results:
+        if result is None:
+            return "timed out"
+        if not result.ok:
+            return result.detail or result.status.value
+    return ""
+
+
 class Task:
     """One batched operation in flight: completed key by key by the store's workers.
 

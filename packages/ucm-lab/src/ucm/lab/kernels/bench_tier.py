@@ -39,7 +39,7 @@ import torch
 from ucm.core.config import DramStoreConfig
 from ucm.core.store import SharedMemoryStore
 from ucm.kernels import HostStager, PinnedRegions, alloc_host_buffers
-from ucm.kernels.transfer import row_buffers
+from ucm.kernels.mover import row_buffers
 
 MIB = 2**20
 LAYERS = 8

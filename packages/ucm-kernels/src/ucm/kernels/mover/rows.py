@@ -1,13 +1,11 @@
-"""What both engine adapters do around a store transfer, written once: host rows kept and
-reused across steps, the rule that decides which loaded blocks count, and payloads made
-only when a store moves them.
+"""Host rows of our own, kept and reused across steps, and the payloads a store moves.
 
-A store block travels through one host row of its payload size, unless it is read or
-written in place (:func:`deferred_payloads`): the store reads into the row and the kernels
-scatter from it (a load), or the kernels gather into it and the store writes from it (a
-dump).  Fresh memory costs more than the copy itself (the first touch of every page faults,
-about 1.5 GB/s here against 9-10 GB/s for the copy, and pinning is a driver call), so rows
-are recycled: a load gives its rows back once scattered, a dump once the store has written
+A block that goes through rows (:attr:`~ucm.kernels.mover.Route.ROWS`) travels through one
+host row of its payload size: the store reads into the row and the kernels scatter from it
+(a load), or the kernels gather into it and the store writes from it (a dump).  Fresh
+memory costs more than the copy itself (the first touch of every page faults, about
+1.5 GB/s here against 9-10 GB/s for the copy, and pinning is a driver call), so rows are
+recycled: a load gives its rows back once scattered, a dump once the store has written
 them.
 """
 
@@ -20,7 +18,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from ucm.core.store.payload import Payload
-from ucm.core.store.task import KeyResult
 
 from ucm.kernels.segments import BlockSegments
 from ucm.kernels.staging import alloc_host_buffers
@@ -95,30 +92,6 @@ class RowPool:
 def row_buffers(rows: Sequence[torch.Tensor]) -> list[object]:
     """Host rows as the buffers a store reads into or writes from."""
     return [row.numpy() for row in rows]
-
-
-def verified_prefix(
-    results: Sequence[KeyResult | None], blocks: Sequence[int] | None = None
-) -> int:
-    """How many leading blocks count after a load: a block counts only if it and every
-    block before it verified, since the engine recomputes from the first one that did not.
-
-    ``results[i]`` is the result of block ``blocks[i]`` (several results may share a block:
-    one per KV-cache group); by default result ``i`` is block ``i``.  ``None``: no result
-    (not done, timed out, the store was unavailable), which counts as a failure."""
-    numbers = range(len(results)) if blocks is None else blocks
-    failed = [b for b, r in zip(numbers, results) if r is None or not r.ok]
-    if failed:
-        return min(failed)
-    return max(numbers, default=-1) + 1
-
-
-def first_problem(results: Sequence[KeyResult | None]) -> str:
-    """What went wrong with the first result that did not verify ("" when none)."""
-    bad = next((r for r in results if r is None or not r.ok), False)
-    if bad is False:
-        return ""
-    return "timed out" if bad is None else (bad.detail or bad.status.value)
 
 
 def deferred_payloads(segments: BlockSegments, positions: Iterable[int]) -> list[Payload]:

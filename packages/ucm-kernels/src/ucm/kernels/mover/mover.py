@@ -1,0 +1,380 @@
+"""The mover: blocks between an engine's paged caches and a store, by the route
+:func:`~ucm.kernels.mover.route.choose_route` picks, for every engine adapter.
+
+One batch each way is the unit (a batch: blocks of one payload size, one store, one set of
+caches):
+
+* :meth:`Mover.dump` gathers a batch before it returns, so the engine may reuse its blocks
+  at once, and hands the store the bytes to write behind the engine's back (into room the
+  store reserved in its memory, or from rows of ours);
+* :meth:`Mover.start_read` submits a batch's loads; :meth:`Mover.settle_read` copies out
+  the blocks the store lends and gives them back; :meth:`Mover.complete_read` scatters the
+  blocks the caller chose to use from our rows and gives the rows back;
+  :meth:`Mover.stop_read` cancels a read and waits a grace for the store to let go.
+
+Runs of many batches pipelined, a call's stored prefix kept whole, are
+:mod:`ucm.kernels.mover.pipeline`'s (``write_run``, ``read_run``).
+
+The store's host memory is registered with a GPU's driver the first time a batch could use
+it (a store maps its memory with its first block), every store's all or none: where the
+driver or a copy refuses it, every batch goes through rows from then on.  Torch only: the
+mover runs wherever torch does, with no engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from ucm.core.store import KeyResult, Status, Store, Task
+from ucm.core.store.reads import SlotReads
+
+from ucm.kernels.mover.caches import Caches
+from ucm.kernels.mover.route import Route, RouteAsk, choose_route
+from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
+from ucm.kernels.pinning import PinnedRegions, dump_into
+from ucm.kernels.segments import BlockSegments, block_segments
+from ucm.kernels.staging import HostStager
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class MoverSettings:
+    """How a mover moves blocks; each adapter fills these from its own settings."""
+
+    #: routes other than our rows allowed (in place, the store's memory)
+    zero_copy: bool = True
+    #: bytes a step of a pipelined run moves (one store call each)
+    step_bytes: int = 32 << 20
+    #: steps of a pipelined run in flight at once (bounds the rows it holds)
+    depth: int = 4
+    #: how long a cancelled transfer may take to let go of the caches or rows
+    grace_s: float = 2.0
+    #: bytes of free rows kept for reuse
+    staging_bytes: int = 512 << 20
+
+
+#: a block whose loan ended before it was copied out (the store took it back)
+LOAN_ENDED = KeyResult(Status.ERROR, "the block's loan ran out before it was copied")
+
+
+@attrs.define
+class Read:
+    """One batch's loads in flight: their route and what they land in."""
+
+    caches: Caches
+    block_ids: Sequence[Any]
+    route: Route
+    task: Task | None  # None: the store could not start them (every result None)
+    rows: list[torch.Tensor] = attrs.Factory(list)  # ROWS: one a block
+    lent: SlotReads | None = None  # STORE_MEMORY: the blocks the store lends
+    stopped: bool = False  # cancelled before it was settled (Mover.stop_read)
+
+    @property
+    def count(self) -> int:
+        return len(self.block_ids)
+
+    def done(self) -> bool:
+        return self.task is None or self.task.done()
+
+    def results(self) -> list[KeyResult | None]:
+        """One a block; None where none came (the store was unavailable, or not done) or
+        none counts: stopped, the blocks read into rows or lent are given up (read in place,
+        those that landed before the stop are in the caches)."""
+        gone = self.stopped and self.route is not Route.IN_PLACE
+        if self.task is None or not self.task.done() or gone:
+            return [None] * self.count
+        return list(self.task.wait(0))
+
+
+class Mover:
+    """Moves batches of blocks between caches and stores; thread-safe (FastDeploy moves
+    from several threads, each with a side stream of its own on a GPU)."""
+
+    def __init__(self, settings: MoverSettings | None = None, pool: RowPool | None = None) -> None:
+        self.settings = settings or MoverSettings()
+        self.pool = pool if pool is not None else RowPool(self.settings.staging_bytes)
+        # the stores' host memory, registered with the GPU's driver (_registered)
+        self.pinned = PinnedRegions()
+        self._pinning = threading.Lock()
+        self._stores_seen: set[int] = set()  # stores whose memory was offered to the driver
+        self._refused = False  # the driver or a copy refused the stores' memory: rows
+        self._stagers = threading.local()  # a side stream per thread on a GPU
+
+    def close(self) -> None:
+        """Unregister the stores' memory from the GPU's driver (before the stores unmap
+        it)."""
+        with self._pinning:
+            self.pinned.close()
+
+    # -- the route -------------------------------------------------------------------------
+
+    def route(
+        self,
+        caches: Caches,
+        block_ids: Sequence[Any],
+        nbytes: int,
+        store: Store,
+        *,
+        cache_lent: bool,
+    ) -> tuple[Route, BlockSegments | None]:
+        """The route of a batch, and its payloads as views of the caches where it moves in
+        place."""
+        segments = self.segments(caches, block_ids, nbytes) if self.settings.zero_copy else None
+        device = caches.device.type
+        ask = RouteAsk(
+            device=device,
+            nbytes=nbytes,
+            contiguous=segments is not None,
+            cache_lent=cache_lent,
+            registered=device == "cuda" and not self._refused and self._registered(store),
+            zero_copy=self.settings.zero_copy and not self._refused,
+        )
+        route = choose_route(ask)
+        return route, segments if route is Route.IN_PLACE else None
+
+    def segments(
+        self, caches: Caches, block_ids: Sequence[Any], nbytes: int
+    ) -> BlockSegments | None:
+        """Each block's payload as views of the caches, or None (their layout does not
+        allow it, or a block would not be ``nbytes``)."""
+        if caches.device.type != "cpu":
+            return None
+        try:
+            segments = block_segments(list(caches.tensors), block_ids, **caches.options())
+        except (TypeError, ValueError) as exc:  # the copy kernels check and report the same
+            log.debug("ucm: payloads as views of the cache not possible (%s)", exc)
+            return None
+        if segments is None or segments.nbytes != nbytes:
+            return None
+        return segments
+
+    @property
+    def refused(self) -> bool:
+        """Whether the driver or a copy refused the stores' memory: every batch goes
+        through rows."""
+        return self._refused
+
+    def register(self, store: Store) -> bool:
+        """Register ``store``'s host memory with the GPU's driver now rather than when a
+        batch first could use it; whether it is registered."""
+        return torch.cuda.is_available() and self._registered(store)
+
+    def _registered(self, store: Store) -> bool:
+        """Whether ``store``'s host memory is registered with the GPU's driver: all of it,
+        the first time it has some."""
+        with self._pinning:
+            if self._refused:
+                return False
+            if id(store) not in self._stores_seen:
+                regions = store.host_memory()
+                if not regions:
+                    return False
+                self._stores_seen.add(id(store))
+                fresh = [r for r in regions if not self.pinned.holds(r)]
+                if fresh and not self.pinned.register_all(fresh):
+                    self._refused = True  # register_all undid every registration
+                    return False
+            return bool(self.pinned)
+
+    def refuse(self, what: str, exc: Exception) -> None:
+        """A copy refused the stores' memory (on a GPU: not pinned after all): rows from
+        now on."""
+        log.warning("ucm: cannot copy %s the store's memory (%s): using rows", what, exc)
+        self._refused = True
+
+    def stager(self, device: torch.device) -> HostStager:
+        """This thread's stager for ``device`` (its own side stream on a GPU)."""
+        stagers = self._stagers.__dict__.setdefault("by_device", {})
+        if device not in stagers:
+            stagers[device] = HostStager(device)
+        return stagers[device]  # type: ignore[no-any-return]
+
+    def take_rows(self, nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
+        """Rows of ours for ``count`` blocks (pinned on a GPU: its copies are asynchronous)."""
+        return self.pool.take(nbytes, count, pin=device.type == "cuda")
+
+    # -- dumps ------------------------------------------------------------------------------
+
+    def dump(
+        self,
+        caches: Caches,
+        block_ids: Sequence[Any],
+        keys: Sequence[bytes],
+        store: Store,
+        tag: bytes,
+        nbytes: int,
+    ) -> Task:
+        """Gather the blocks now (the engine may reuse them once this returns) and have the
+        store write them behind: straight into room it reserves in its memory where it has
+        some, else from rows of ours (given back once written).  Raises what the store
+        raises on starting; rows are given back then."""
+        route, _ = self.route(caches, block_ids, nbytes, store, cache_lent=False)
+        if route is Route.STORE_MEMORY:
+            task = self._dump_into_store(caches, block_ids, keys, store, tag, nbytes)
+            if task is not None:
+                return task
+        rows = self.take_rows(nbytes, len(keys), caches.device)
+        try:
+            stager = self.stager(caches.device)
+            stager.dump(list(caches.tensors), block_ids, rows, **caches.options()).wait()
+            task = store.dump(list(keys), row_buffers(rows), tag)
+        except BaseException:
+            self.pool.give(rows)
+            raise
+        task.add_done_callback(lambda _task: self.pool.give(rows))
+        return task
+
+    def _dump_into_store(
+        self,
+        caches: Caches,
+        block_ids: Sequence[Any],
+        keys: Sequence[bytes],
+        store: Store,
+        tag: bytes,
+        nbytes: int,
+    ) -> Task | None:
+        """Gather straight into room the store reserves, then commit it (the store seals and
+        publishes on its threads); None where it has no room, or the copy refused it."""
+        try:
+            writes = store.open_writes(list(keys), nbytes, tag)
+        except Exception as exc:  # noqa: BLE001 - the dump through rows reports the store
+            log.debug("ucm: no room to write in place (%s)", exc)
+            return None
+        if writes is None:
+            return None
+        stager = self.stager(caches.device)
+        try:
+            handle = dump_into(
+                stager, self.pinned, list(caches.tensors), block_ids, writes, **caches.options()
+            )
+        except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)
+            self.refuse("into", exc)
+            return None
+        if handle is not None:
+            # a copy that fails to end leaves the room reserved for as long as this process
+            # lives: it may still be written, so no other writer may get it
+            handle.wait()
+        return writes.commit()
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def start_read(
+        self,
+        caches: Caches,
+        block_ids: Sequence[Any],
+        keys: Sequence[bytes],
+        store: Store,
+        tag: bytes,
+        nbytes: int,
+        *,
+        cache_lent: bool = False,
+    ) -> Read:
+        """Submit a batch's loads: into the caches themselves (``cache_lent``: the caller
+        keeps the blocks until the read is settled or stopped), out of blocks the store
+        lends, or into rows of ours.  A store that fails to start gives a read with no
+        task (logged): every block fails."""
+        route, segments = self.route(caches, block_ids, nbytes, store, cache_lent=cache_lent)
+        read = Read(caches, block_ids, route, None)
+        try:
+            if route is Route.STORE_MEMORY:
+                read.lent = self._open_reads(store, keys, nbytes, tag)
+                if read.lent is not None:
+                    read.task = read.lent.task
+                    return read
+                read.route = Route.ROWS
+            if segments is not None:
+                payloads = deferred_payloads(segments, range(len(keys)))
+                read.task = store.load(list(keys), payloads, tag)
+                return read
+            read.rows = self.take_rows(nbytes, len(keys), caches.device)
+            read.task = store.load(list(keys), row_buffers(read.rows), tag)
+        except Exception as exc:  # noqa: BLE001 - a failing store is a miss
+            log.warning("ucm: a load of %d blocks failed to start: %s", len(keys), exc)
+            self.pool.give(read.rows)
+            read.rows = []
+        return read
+
+    def _open_reads(
+        self, store: Store, keys: Sequence[bytes], nbytes: int, tag: bytes
+    ) -> SlotReads | None:
+        try:
+            return store.open_reads(list(keys), nbytes, tag)
+        except Exception as exc:  # noqa: BLE001 - the load through rows reports the store
+            log.debug("ucm: no blocks lent in place (%s)", exc)
+            return None
+
+    def settle_read(self, read: Read) -> list[KeyResult | None]:
+        """The batch's results once its loads ended (or timed out: None); blocks the store
+        lends are copied out, the checked ones, and given back, and a block whose loan ran
+        out first is a failure."""
+        results = read.results()
+        if read.lent is None:
+            return results
+        lent, read.lent = read.lent, None
+        ok = [i for i, r in enumerate(results) if r is not None and r.ok]
+        try:
+            if ok:
+                rows = self.pinned.rows([lent.views[i] for i in ok])  # type: ignore[misc]
+                stager = self.stager(read.caches.device)
+                ids = [read.block_ids[i] for i in ok]
+                stager.load(list(read.caches.tensors), ids, rows, **read.caches.options()).wait()
+        except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
+            self.refuse("out of", exc)
+            results = [KeyResult(Status.ERROR, str(exc))] * read.count
+        finally:  # every loan ends, whatever happened
+            held = lent.release()
+        return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]
+
+    def complete_read(self, read: Read, use: Sequence[bool]) -> None:
+        """Scatter the blocks to ``use`` from our rows into the caches, and give the rows
+        back (read in place or lent, the blocks are in the caches already)."""
+        if not read.rows:
+            return
+        rows, read.rows = read.rows, []
+        try:
+            used = [i for i, u in enumerate(use) if u and i < len(rows)]
+            if used:
+                stager = self.stager(read.caches.device)
+                ids = [read.block_ids[i] for i in used]
+                tensors = list(read.caches.tensors)
+                stager.load(tensors, ids, [rows[i] for i in used], **read.caches.options()).wait()
+        finally:
+            self.pool.give(rows)
+
+    def stop_read(self, read: Read, grace_s: float) -> bool:
+        """Cancel the batch's loads and wait up to ``grace_s`` for the store to let go of
+        what they land in; whether it has.  Loans end; rows go back once the store is done
+        with them (a late read may still fill them)."""
+        quiet = read.task is None or read.task.cancel(wait=grace_s)
+        read.stopped = True
+        if read.lent is not None:  # given back once their checks end
+            read.lent.release()
+            read.lent = None
+        rows, read.rows = read.rows, []
+        if rows:
+            if quiet or read.task is None:
+                self.pool.give(rows)
+            else:
+                read.task.add_done_callback(lambda _task: self.pool.give(rows))
+        return quiet
+
+
+def wait_until(task: Task, deadline: float) -> bool:
+    """Wait for ``task`` until ``deadline`` (monotonic); whether it is done."""
+    if task.done():
+        return True
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        task.wait(left)
+    except TimeoutError:
+        return False
+    return True

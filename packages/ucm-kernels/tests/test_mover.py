@@ -1,0 +1,203 @@
+"""The mover: its route rule, its rows, and batches and runs of blocks moved between plain
+torch caches and real stores, on the CPU and, where there is one, on a GPU."""
+
+import time
+
+import pytest
+import torch
+from ucm.core.store import Status, create_store, verified_prefix
+from ucm.lab.testing.core import flip_shared_block_byte
+
+from ucm.kernels import IN_PLACE_MIN_BYTES, block_segments
+from ucm.kernels.mover import (
+    Caches,
+    Mover,
+    MoverSettings,
+    Route,
+    RouteAsk,
+    RowPool,
+    choose_route,
+    deferred_payloads,
+    read_run,
+    row_buffers,
+    write_run,
+)
+
+
+def test_rows_given_back_are_taken_again_from_one_allocation():
+    pool = RowPool(keep_bytes=1 << 20)
+    rows = pool.take(4096, 4, pin=False)
+    assert [r.numel() for r in rows] == [4096] * 4
+    pool.give(rows)
+    assert pool.free_bytes == 4 * 4096
+    again = pool.take(4096, 3, pin=False)
+    assert [r.data_ptr() for r in again] == [r.data_ptr() for r in rows[:3]]
+    spacing = {b.data_ptr() - a.data_ptr() for a, b in zip(again, again[1:])}
+    assert spacing == {4096}  # evenly spaced: the kernels move them in one operation
+    assert pool.free_bytes == 4096
+    assert pool.take(4096, 1, pin=False)[0].data_ptr() == rows[3].data_ptr()
+
+
+def test_rows_of_other_sizes_are_kept_apart_and_new_ones_made_when_short():
+    pool = RowPool(keep_bytes=1 << 20)
+    small, large = pool.take(1024, 2, pin=False), pool.take(2048, 1, pin=False)
+    pool.give([*small, *large])  # mixed sizes in one call
+    got = pool.take(2048, 2, pin=False)
+    assert got[0].data_ptr() == large[0].data_ptr() and got[1].numel() == 2048
+    assert pool.free_bytes == 2 * 1024
+
+
+def test_no_more_than_keep_bytes_are_kept():
+    pool = RowPool(keep_bytes=3 * 1000)
+    pool.give(pool.take(1000, 5, pin=False))
+    assert pool.free_bytes == 3000
+    pool.reserve(1000, 2, pin=False)
+    assert pool.free_bytes == 3000
+
+
+def test_rows_and_cache_blocks_as_store_buffers():
+    row = torch.arange(8, dtype=torch.uint8)
+    (view,) = row_buffers([row])
+    view[0] = 99  # the store writes the row itself
+    assert row[0] == 99
+    cache = torch.arange(4 * 2 * 8, dtype=torch.float32).reshape(4, 2, 8)  # [B, N, C]
+    segments = block_segments([cache], [[1], [3]])
+    payloads = deferred_payloads(segments, [1])
+    assert len(payloads) == 1 and payloads[0].nbytes == 2 * 8 * 4
+    data = b"".join(bytes(p) for p in payloads[0].parts)
+    assert data == cache[3].numpy().tobytes()
+
+
+# -- the route rule ------------------------------------------------------------------------
+
+BIG = IN_PLACE_MIN_BYTES
+
+
+@pytest.mark.parametrize(
+    "device, nbytes, contiguous, cache_lent, registered, zero_copy, route",
+    [
+        ("cpu", 4096, True, True, False, True, Route.IN_PLACE),
+        ("cpu", 4096, True, False, False, True, Route.STORE_MEMORY),  # held by the engine
+        ("cpu", BIG, False, True, False, True, Route.STORE_MEMORY),  # large: as fast
+        ("cpu", BIG - 1, False, True, False, True, Route.ROWS),  # small, gathered: rows
+        ("cpu", BIG, True, True, False, False, Route.ROWS),  # zero_copy off
+        ("cuda", 4096, False, False, True, True, Route.STORE_MEMORY),
+        ("cuda", BIG, True, True, False, True, Route.ROWS),  # not registered: rows
+        ("cuda", BIG, False, False, True, False, Route.ROWS),
+    ],
+)
+def test_the_route_rule(device, nbytes, contiguous, cache_lent, registered, zero_copy, route):
+    ask = RouteAsk(device, nbytes, contiguous, cache_lent, registered, zero_copy)
+    assert choose_route(ask) is route
+
+
+# -- batches and runs between plain torch caches and real stores ---------------------------
+
+BLOCKS, TOKENS, DIM, LAYERS = 24, 16, 64, 2
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def _caches(device: str, heads: int, seed: int) -> Caches:
+    """K and V of each layer, ``[blocks, heads, tokens, dim]``; with several heads, views of
+    head-major tensors, so that a block is not one run of memory (it is gathered)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (heads, BLOCKS, TOKENS, DIM)
+    made = [torch.randn(shape, generator=gen).to(device) for _ in range(2 * LAYERS)]
+    return Caches(tuple(t.transpose(0, 1) for t in made))
+
+
+def _store(kind: str, tmp_path, shm_dir):
+    if kind == "posix":
+        return create_store({"kind": "posix", "path": str(tmp_path / "posix")})
+    return create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125})
+
+
+def _block(caches: Caches, block: int) -> list[torch.Tensor]:
+    return [t[block].cpu() for t in caches.tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "kind, heads, zero_copy, lent, dump_route, read_route",
+    [
+        ("dram", 1, True, True, Route.STORE_MEMORY, Route.IN_PLACE),
+        ("dram", 1, True, False, Route.STORE_MEMORY, Route.STORE_MEMORY),
+        ("dram", 4, True, False, Route.ROWS, Route.ROWS),  # 64 KiB, gathered: rows
+        ("posix", 1, True, True, Route.STORE_MEMORY, Route.IN_PLACE),  # no room: rows
+        ("dram", 1, False, True, Route.ROWS, Route.ROWS),
+    ],
+)
+def test_a_batch_moves_by_its_route_and_lands_where_it_belongs(
+    device, kind, heads, zero_copy, lent, dump_route, read_route, tmp_path, shm_dir
+):
+    if device == "cuda":  # registered host memory or pinned rows: never in place
+        in_memory = kind == "dram" and zero_copy
+        dump_route = read_route = Route.STORE_MEMORY if in_memory else Route.ROWS
+    source, target = _caches(device, heads, 1), _caches(device, heads, 2)
+    nbytes = source.payload_nbytes()
+    keys = [bytes([i]) * 16 for i in range(6)]
+    ids, into = [3, 7, 1, 20, 11, 5], [0, 2, 4, 6, 8, 10]
+    mover = Mover(MoverSettings(zero_copy=zero_copy))
+    with _store(kind, tmp_path, shm_dir) as store:
+        assert mover.route(source, ids, nbytes, store, cache_lent=False)[0] is dump_route
+        task = mover.dump(source, ids, keys, store, b"t", nbytes)
+        assert all(r.ok for r in task.wait(10))
+        read = mover.start_read(target, into, keys, store, b"t", nbytes, cache_lent=lent)
+        if kind == "dram" or read_route is not Route.STORE_MEMORY:
+            assert read.route is read_route
+        read.task.wait(10)
+        assert all(r is not None and r.ok for r in mover.settle_read(read))
+        mover.complete_read(read, [True] * len(keys))
+        mover.close()
+    for block, at in zip(ids, into):
+        for got, want in zip(_block(target, at), _block(source, block)):
+            assert torch.equal(got, want)
+    untouched = [b for b in range(BLOCKS) if b not in into]
+    fresh = _caches(device, heads, 2)
+    for got, want in zip(target.tensors, fresh.tensors):
+        assert torch.equal(got[untouched].cpu(), want[untouched].cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_caller_decides_which_loaded_blocks_count_and_rows_go_back(device, shm_dir):
+    source, target = _caches(device, 4, 3), _caches(device, 4, 4)
+    before = [t.clone() for t in target.tensors]
+    nbytes = source.payload_nbytes()
+    keys = [bytes([40 + i]) * 16 for i in range(4)]
+    mover = Mover(MoverSettings(staging_bytes=1 << 20))
+    with _store("dram", None, shm_dir) as store:
+        assert all(
+            r.ok for r in mover.dump(source, [0, 1, 2, 3], keys, store, b"t", nbytes).wait(10)
+        )
+        flip_shared_block_byte(shm_dir, keys[1])
+        free = mover.pool.free_bytes
+        read = mover.start_read(target, [4, 5, 6, 7], keys, store, b"t", nbytes)
+        assert read.route is Route.ROWS and mover.pool.free_bytes == free - 4 * nbytes
+        read.task.wait(10)
+        results = mover.settle_read(read)
+        assert [r.status for r in results] == [Status.OK, Status.CORRUPT, Status.OK, Status.OK]
+        prefix = verified_prefix(results)
+        mover.complete_read(read, [i < prefix for i in range(4)])
+        assert mover.pool.free_bytes == free  # every row back
+    for got, src, old in zip(target.tensors, source.tensors, before):
+        assert torch.equal(got[4].cpu(), src[0].cpu())
+        assert torch.equal(got[5:8].cpu(), old[5:8].cpu())  # not used: not scattered
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [1, 4])
+def test_a_run_in_steps_keeps_the_stored_prefix_whole(device, heads, tmp_path):
+    source, target = _caches(device, heads, 5), _caches(device, heads, 6)
+    nbytes = source.payload_nbytes()
+    keys = [bytes([80 + i]) * 16 for i in range(BLOCKS)]
+    mover = Mover(MoverSettings(step_bytes=3 * nbytes, depth=2))
+    ids = list(range(BLOCKS))[::-1]
+    deadline = time.monotonic() + 30
+    with _store("posix", tmp_path, None) as store:
+        assert write_run(mover, source, ids, keys, store, b"t", nbytes, deadline, "t") == BLOCKS
+        store.remove([keys[13]])  # a gap: the read stops there
+        into = list(range(BLOCKS))
+        assert read_run(mover, target, into, keys, store, b"t", nbytes, deadline, "t") == 13
+    for at in range(13):
+        for got, want in zip(_block(target, at), _block(source, ids[at])):
+            assert torch.equal(got, want)
