@@ -82,18 +82,30 @@ def _runs(command: str) -> bool:
 _find_pythons()
 
 
-def _build(session: nox.Session, packages: list[str], dist: Path) -> dict[str, Path]:
+# the wheels built by this nox run, package -> wheel: the sessions that run after the first
+# install the same files (ucm-core's wheel serves every Python of the platform), rather than
+# building them again from the same sources
+_BUILT: dict[str, Path] = {}
+
+
+def _build(
+    session: nox.Session, packages: list[str], dist: Path, *, reuse: bool = False
+) -> dict[str, Path]:
     """Wheels and sdists of ``packages`` into ``dist`` (wheels built from the sdists, as
-    pip builds them); package -> wheel."""
-    session.install("build")
-    if CORE in packages:
-        _c_compiler(session)
-    shutil.rmtree(dist, ignore_errors=True)
-    for package in packages:
-        session.run_install(
-            "python", "-m", "build", "--quiet", "--outdir", str(dist), str(ROOT / package)
-        )
-    return {p: next(dist.glob(f"{Path(p).name.replace('-', '_')}-*.whl")) for p in packages}
+    pip builds them); with ``reuse``, those this run built already are not built again (they
+    stay where they were built); package -> wheel."""
+    missing = [p for p in packages if not (reuse and p in _BUILT and _BUILT[p].is_file())]
+    if missing:
+        session.install("build")
+        if CORE in missing:
+            _c_compiler(session)
+        shutil.rmtree(dist, ignore_errors=True)
+        for package in missing:
+            session.run_install(
+                "python", "-m", "build", "--quiet", "--outdir", str(dist), str(ROOT / package)
+            )
+            _BUILT[package] = next(dist.glob(f"{Path(package).name.replace('-', '_')}-*.whl"))
+    return {p: _BUILT[p] for p in packages}
 
 
 def _c_compiler(session: nox.Session) -> None:
@@ -132,8 +144,8 @@ def _install_wheels(session: nox.Session, packages: list[str], extras: dict[str,
     """Install ``packages`` from wheels built now, with their extras' dependencies."""
     if "mooncake" in extras.get(CORE, ""):
         _system_libraries(session)
-    wheels = _build(session, packages, Path(session.create_tmp()) / "dist")
-    if packages != [CORE]:
+    wheels = _build(session, packages, Path(session.create_tmp()) / "dist", reuse=True)
+    if any(p in packages for p in (KERNELS, VLLM, FASTDEPLOY)):
         session.install(TORCH)  # before the rest: the CPU build, not the registry's CUDA one
     session.install(
         *(f"{wheels[p]}[{extras[p]}]" if extras.get(p) else str(wheels[p]) for p in packages)
