@@ -28,12 +28,9 @@ def _mooncake_here():
 
 
 @pytest.fixture
-def store(mooncake_master):
-    from ucm.core.store.mooncake.store import MooncakeStore
-
-    s = MooncakeStore(mooncake_config(mooncake_master))
-    yield s
-    s.close()
+def kind():
+    """This file's kind of the shared ``store`` fixture (conftest.py)."""
+    return "mooncake"
 
 
 @pytest.fixture

@@ -30,20 +30,10 @@ def cut(data: bytes, sizes: list[int]) -> list[bytearray]:
     return parts
 
 
-@pytest.fixture(params=["pagecache", "o_direct", "dram", "tiered"])
-def store(request, tmp_path):
-    if request.param == "dram":
-        s = DramStore(DramStoreConfig(capacity_gb=0.0625))
-    elif request.param == "tiered":
-        s = TieredStore(
-            DramStore(DramStoreConfig(capacity_gb=0.0625)),
-            PosixStore(PosixStoreConfig(path=str(tmp_path / "t"))),
-        )
-    else:
-        direct = request.param == "o_direct"
-        s = PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), o_direct=direct))
-    yield s
-    s.close()
+@pytest.fixture(params=["posix", "posix-o_direct", "dram-process", "tiered"])
+def kind(request):
+    """This file's kinds of the shared ``store`` fixture (conftest.py)."""
+    return request.param
 
 
 # Part sizes: tiny, empty, unaligned, large.

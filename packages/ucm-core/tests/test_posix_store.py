@@ -21,11 +21,10 @@ def payload(i: int, size: int) -> bytes:
     return (key(i) * (size // 16 + 1))[:size]
 
 
-@pytest.fixture(params=[False, True], ids=["pagecache", "o_direct"])
-def store(request, tmp_path):
-    s = PosixStore(PosixStoreConfig(path=str(tmp_path / "store"), o_direct=request.param))
-    yield s
-    s.close()
+@pytest.fixture(params=["posix", "posix-o_direct"])
+def kind(request):
+    """This file's kinds of the shared ``store`` fixture (conftest.py)."""
+    return request.param
 
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 10000, 1 << 20])

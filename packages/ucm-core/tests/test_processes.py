@@ -25,12 +25,10 @@ from ucm.core.keys import Namespace, block_keys
 from ucm.core.settings import GIB
 from ucm.core.store import PosixStore, Status
 from ucm.core.store.posix import host_tag, scan_store
+from ucm.lab.testing.core import blob, key, payload_of, size_of
 from ucm.lab.testing.procs import (
-    key_of,
     kill_writers_at_random,
-    payload_of,
     run_stress,
-    size_of,
     start_child,
     temp_files,
 )
@@ -166,7 +164,7 @@ def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
     last_pid = kill_writers_at_random(configs, seed, TIMEOUT)
 
     blocks_dir = root / "blocks"
-    names = {k.hex(): k for k in (key_of(j) for j in range(CRASH_KEYS))}
+    names = {k.hex(): k for k in (key(j) for j in range(CRASH_KEYS))}
     present = set()
     for sub in blocks_dir.iterdir():
         for f in sub.iterdir():
@@ -177,7 +175,7 @@ def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
     assert present, "the children stored nothing"
 
     # what a writer killed mid-block leaves (kills land there only now and then, so make sure)
-    leftover = block_path(root, key_of(0)).parent / temp_name(key_of(0).hex(), host_tag(), last_pid)
+    leftover = block_path(root, key(0)).parent / temp_name(key(0).hex(), host_tag(), last_pid)
     leftover.parent.mkdir(exist_ok=True)
     leftover.write_bytes(b"half a block")
     # a new store's initial scan removes the temporary files of the dead writers
@@ -219,7 +217,7 @@ def test_writer_killed_at_random_moments_leaves_only_whole_blocks(medium):
 def test_stale_temp_files_removed_only_when_their_writer_is_gone(tmp_path):
     root = tmp_path / "store"
     store = open_store(root)
-    k = key_of(1)
+    k = key(1)
     store.wait(store.dump([k], [payload_of(k, 5000)]))
     store.close()
     host = host_tag()
@@ -370,7 +368,7 @@ def test_a_block_of_another_format_version_is_a_miss_left_alone(tmp_path):
 
 
 def _setup_corruptible(root) -> tuple[list[bytes], dict[bytes, bytes]]:
-    keys = [key_of(i, b"corrupt") for i in range(4)]
+    keys = [key(i, b"corrupt") for i in range(4)]
     data = {k: random.Random(k).randbytes(SIZE) for k in keys[:3]}
     data[keys[3]] = random.Random(keys[3]).randbytes(3000)
     with open_store(root) as store:
@@ -438,7 +436,7 @@ def _add_foreign_files(root, moved_key: bytes) -> list[Path]:
 
 def test_foreign_files_are_ignored_and_left_alone(tmp_path):
     root = tmp_path / "store"
-    keys = [key_of(i, b"foreign") for i in range(6)]
+    keys = [key(i, b"foreign") for i in range(6)]
     data = {k: payload_of(k, 20000) for k in keys}
     with open_store(root) as store:
         assert all(r.ok for r in store.wait(store.dump(keys, [data[k] for k in keys])))
@@ -472,12 +470,12 @@ def test_foreign_files_are_ignored_and_left_alone(tmp_path):
 def test_verify_reports_every_corrupt_block_and_remove_deletes_only_them(tmp_path):
     root = tmp_path / "store"
     names = sorted(CORRUPTIONS)
-    keys = [key_of(i, b"verify") for i in range(len(names) + 3)]
+    keys = [key(i, b"verify") for i in range(len(names) + 3)]
     data = {k: random.Random(k).randbytes(SIZE) for k in keys}
     with open_store(root) as store:
         assert all(r.ok for r in store.wait(store.dump(keys, [data[k] for k in keys], LAYOUT)))
     spare = keys[-1]
-    small = key_of(999, b"verify")
+    small = key(999, b"verify")
     with open_store(root) as store:
         store.wait(store.dump([small], [b"x" * 3000], LAYOUT))
     shutil.copyfile(
@@ -602,7 +600,7 @@ def test_write_past_file_size_limit_is_an_error_and_the_process_goes_on(tmp_path
             "small": Status.OK,
         }
         for n in ("exact", "small"):
-            assert bytes(outs[n]) == random.Random(keys[n]).randbytes(report["sizes"][n])
+            assert bytes(outs[n]) == blob(keys[n], report["sizes"][n]).tobytes()
 
 
 @pytest.fixture
@@ -631,7 +629,7 @@ def tiny_tmpfs(tmp_path):
 
 def test_full_filesystem_fails_dumps_without_partial_blocks(tiny_tmpfs):
     root = tiny_tmpfs / "store"
-    keys = [key_of(i, b"tmpfs") for i in range(16)]
+    keys = [key(i, b"tmpfs") for i in range(16)]
     data = {k: random.Random(k).randbytes(96 * 1024) for k in keys}  # 16 x 100 KiB > 1 MiB
     # the default capacity (half the free space) never lets the filesystem fill: it evicts
     with open_store(tiny_tmpfs / "auto", io_threads=1) as store:
@@ -678,7 +676,7 @@ def test_full_filesystem_fails_dumps_without_partial_blocks(tiny_tmpfs):
 
 def test_read_only_filesystem_serves_loads_and_refuses_dumps(tiny_tmpfs):
     root = tiny_tmpfs / "store"
-    keys = [key_of(i, b"ro") for i in range(4)]
+    keys = [key(i, b"ro") for i in range(4)]
     data = {k: random.Random(k).randbytes(32 * 1024) for k in keys}
     with open_store(root) as store:
         assert all(r.ok for r in store.wait(store.dump(keys[:3], [data[k] for k in keys[:3]])))

@@ -48,7 +48,7 @@ from ucm.core.settings import ConfigError
 from ucm.core.signing import BlockSigner
 from ucm.core.store import PosixStore, SharedMemoryStore, Status
 from ucm.core.store.dram.shared import MEMORY_FILESYSTEMS, mount_of
-from ucm.lab.testing.procs import key_of
+from ucm.lab.testing.core import key as key_of  # the tests name a key `key`
 
 _ROOT_ONLY = pytest.mark.skipif(
     os.geteuid() != 0, reason="runs the attacker and the victim as other users: needs root"

@@ -19,13 +19,10 @@ from ucm.core.config import DramStoreConfig
 from ucm.core.settings import GIB, ConfigError
 from ucm.core.store import SharedMemoryStore, Status
 from ucm.core.store.dram import arena as arena_module
-from ucm.lab.testing.core import blob, key
+from ucm.lab.testing.core import blob, key, payload_of, size_of
 from ucm.lab.testing.procs import (
-    key_of,
     kill_writers_at_random,
-    payload_of,
     run_stress,
-    size_of,
 )
 
 TIMEOUT = 120
@@ -59,7 +56,7 @@ def test_a_writer_killed_at_random_moments_leaves_only_whole_blocks(shm_dir):
 
     store = open_store(shm_dir)
     try:
-        keys = [key_of(j) for j in range(n_keys)]
+        keys = [key(j) for j in range(n_keys)]
         outs = [bytearray(size_of(k, MAX_SIZE)) for k in keys]
         results = store.wait(store.load(keys, outs), 30)
         for k, out, r in zip(keys, outs, results):

@@ -13,15 +13,9 @@ import time
 import numpy as np
 import pytest
 from ucm.core.store import SharedMemoryStore, Status, create_store
-from ucm.lab.testing.core import blob, flip_shared_block_byte, key
+from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
 
 SIZE = 40_000
-
-
-def _store(shm_dir, **settings):
-    store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125, **settings})
-    assert isinstance(store, SharedMemoryStore)
-    return store
 
 
 def _dumped(store, ids, layout=b"tag"):
@@ -34,7 +28,7 @@ def _dumped(store, ids, layout=b"tag"):
 @pytest.mark.parametrize("signed", [False, True])
 def test_lent_blocks_are_the_blocks_dumped(shm_dir, monkeypatch, signed):
     monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
-    store = _store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
+    store = dram_store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
     ids = list(range(80))  # more than a chunk per copy thread
     _dumped(store, ids)
     reads = store.open_reads([key(i) for i in ids], SIZE, b"tag")
@@ -50,7 +44,7 @@ def test_lent_blocks_are_the_blocks_dumped(shm_dir, monkeypatch, signed):
 
 
 def test_misses_and_other_blocks_are_not_lent(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     _dumped(store, [1])
     _dumped(store, [2], layout=b"other")
     reads = store.open_reads([key(1), key(2), key(3)], SIZE, b"tag")
@@ -66,7 +60,7 @@ def test_misses_and_other_blocks_are_not_lent(shm_dir):
 
 
 def test_a_lent_block_that_fails_its_seal_is_refused_and_dropped(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     _dumped(store, [1, 2])
     flip_shared_block_byte(shm_dir, key(2))
     reads = store.open_reads([key(1), key(2)], SIZE, b"tag")
@@ -77,7 +71,7 @@ def test_a_lent_block_that_fails_its_seal_is_refused_and_dropped(shm_dir):
 
 
 def test_a_lent_block_is_not_evicted_until_given_back(shm_dir):
-    store = _store(shm_dir, capacity_gb=4 * SIZE / 2**30)  # room for a few blocks
+    store = dram_store(shm_dir, capacity_gb=4 * SIZE / 2**30)  # room for a few blocks
     _dumped(store, [0])
     reads = store.open_reads([key(0)], SIZE, b"tag")
     assert reads.task.wait(10)[0].ok
@@ -89,7 +83,7 @@ def test_a_lent_block_is_not_evicted_until_given_back(shm_dir):
 
 
 def test_given_back_before_its_checks_end_the_blocks_go_back_once_they_do(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     ids = list(range(200))
     _dumped(store, ids)
     reads = store.open_reads([key(i) for i in ids], SIZE, b"tag")
@@ -107,7 +101,7 @@ def test_given_back_before_its_checks_end_the_blocks_go_back_once_they_do(shm_di
 def test_stores_without_memory_of_their_own_lend_nothing(shm_dir, tmp_path):
     with create_store({"kind": "posix", "path": str(tmp_path / "p")}) as posix:
         assert posix.open_reads([key(1)], SIZE) is None and posix.host_memory() == []
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     assert store.open_reads([key(1)], SIZE) is None  # no arena yet: the load reports the miss
     _dumped(store, [1])
     (region,) = store.host_memory()

@@ -14,15 +14,9 @@ import numpy as np
 import pytest
 from ucm.core.store import SharedMemoryStore, Status, create_store
 from ucm.core.store.writes import SlotWrites
-from ucm.lab.testing.core import blob, flip_shared_block_byte, key
+from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
 
 SIZE = 40_000
-
-
-def _store(shm_dir, **settings):
-    store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125, **settings})
-    assert isinstance(store, SharedMemoryStore)
-    return store
 
 
 def _fill(writes: SlotWrites, ids) -> None:
@@ -40,7 +34,7 @@ def _loaded(store, ids):
 @pytest.mark.parametrize("signed", [False, True])
 def test_blocks_written_in_place_load_as_if_dumped(shm_dir, monkeypatch, signed):
     monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
-    store = _store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
+    store = dram_store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
     ids = list(range(80))  # more than a chunk per copy thread
     writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
     assert writes is not None and all(v is not None and v.nbytes == SIZE for v in writes.views)
@@ -59,7 +53,7 @@ def test_blocks_written_in_place_load_as_if_dumped(shm_dir, monkeypatch, signed)
 
 
 def test_keys_stored_already_get_no_room_and_count_as_stored(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     assert store.wait(store.dump([key(1)], [blob(1, SIZE)], b"tag"))[0].ok
     writes = store.open_writes([key(1), key(2), key(2)], SIZE, b"tag")
     assert writes is not None
@@ -75,7 +69,7 @@ def test_keys_stored_already_get_no_room_and_count_as_stored(shm_dir):
 
 
 def test_aborted_writes_leave_nothing_and_give_their_room_back(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     free = store._arena_for(SIZE).stats()["free_slots"]
     writes = store.open_writes([key(i) for i in range(5)], SIZE, b"tag")
     assert writes is not None
@@ -88,7 +82,7 @@ def test_aborted_writes_leave_nothing_and_give_their_room_back(shm_dir):
 
 
 def test_a_cancelled_commit_publishes_nothing_it_had_not_sealed(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     ids = list(range(256))  # several chunks a copy thread: the later ones never start
     writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
     _fill(writes, ids)
@@ -103,7 +97,7 @@ def test_a_cancelled_commit_publishes_nothing_it_had_not_sealed(shm_dir):
 
 
 def test_a_block_changed_after_its_commit_fails_its_check(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     writes = store.open_writes([key(1)], SIZE, b"tag")
     _fill(writes, [1])
     assert store.wait(writes.commit())[0].ok
@@ -113,7 +107,7 @@ def test_a_block_changed_after_its_commit_fails_its_check(shm_dir):
 
 
 def test_more_blocks_than_room_are_refused_per_key(shm_dir):
-    store = _store(shm_dir, capacity_gb=4 * SIZE / 2**30)  # room for a few blocks
+    store = dram_store(shm_dir, capacity_gb=4 * SIZE / 2**30)  # room for a few blocks
     ids = list(range(40))
     writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
     assert writes is not None
@@ -127,7 +121,7 @@ def test_more_blocks_than_room_are_refused_per_key(shm_dir):
 
 
 def test_a_block_too_large_for_the_slots_gets_no_room(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     assert store.wait(store.dump([key(1)], [blob(1, SIZE)]))[0].ok  # slots of SIZE bytes
     assert store.open_writes([key(2)], 4 * SIZE) is None  # the dump path reports why
     store.close()
@@ -148,7 +142,7 @@ os._exit(0)  # killed before its commit
 
 
 def test_a_writer_killed_before_its_commit_leaves_nothing_a_reader_takes(shm_dir):
-    store = _store(shm_dir)
+    store = dram_store(shm_dir)
     done = subprocess.run([sys.executable, "-c", KILLED, str(shm_dir)], capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
     assert store.lookup([key(i) for i in range(4)]) == [False] * 4

@@ -1,6 +1,7 @@
 """The promises every store kind keeps (base.Store): one suite over posix, dram (shared
 memory, and one process's memory), tiered, mooncake, and tiered stores over mooncake, and
-the stores that sign their blocks with a secret."""
+the stores that sign their blocks with a secret.  Its ``store`` fixture (conftest.py) is the
+one every store test uses; a kind's own file narrows ``kind`` to its kinds."""
 
 import threading
 import time
@@ -9,67 +10,10 @@ import attrs
 import numpy as np
 import pytest
 from ucm.core.block_format import HEADER_BYTES
-from ucm.core.config import DramStoreConfig, PosixStoreConfig, TieredStoreConfig
+from ucm.core.config import PosixStoreConfig, TieredStoreConfig
 from ucm.core.settings import ConfigError
 from ucm.core.store import Status, create_store
-from ucm.lab.testing.core import blob, key, mooncake_config
-
-KINDS = [
-    "posix",
-    "posix-signed",
-    "dram",
-    "dram-signed",
-    "dram-process",
-    "tiered",
-    *(
-        pytest.param(kind, marks=pytest.mark.mooncake)
-        for kind in ("mooncake", "mooncake-signed", "tiered-mooncake", "posix-over-mooncake")
-    ),
-]
-SECRET = "env:UCM_CONTRACT_SECRET"
-
-
-def store_config(kind, tmp_path, request, **posix):
-    if kind.endswith("-signed"):
-        request.getfixturevalue("monkeypatch").setenv(SECRET[4:], "contract-test-secret-0123456789")
-        unsigned = store_config(kind.removesuffix("-signed"), tmp_path, request, **posix)
-        return attrs.evolve(unsigned, secret=SECRET)
-    if kind == "posix":
-        return PosixStoreConfig(path=str(tmp_path / "p"), **posix)
-    if kind == "dram":
-        return shared_dram(request)
-    if kind == "dram-process":
-        return DramStoreConfig(capacity_gb=0.0625, scope="process")
-    if kind == "tiered":
-        return TieredStoreConfig(
-            dram=shared_dram(request),
-            backing=PosixStoreConfig(path=str(tmp_path / "t"), **posix),
-        )
-    master = request.getfixturevalue("mooncake_master")
-    if kind == "mooncake":
-        return mooncake_config(master)
-    if kind == "posix-over-mooncake":  # a local disk in front of the cluster
-        return TieredStoreConfig(
-            local=PosixStoreConfig(path=str(tmp_path / "local"), **posix),
-            backing=mooncake_config(master),
-        )
-    return TieredStoreConfig(dram=shared_dram(request), backing=mooncake_config(master))
-
-
-def shared_dram(request, capacity_gb=0.0625):
-    return DramStoreConfig(capacity_gb=capacity_gb, path=str(request.getfixturevalue("shm_dir")))
-
-
-@pytest.fixture(params=KINDS)
-def kind(request):
-    return request.param
-
-
-@pytest.fixture
-def store(kind, tmp_path, request):
-    s = create_store(store_config(kind, tmp_path, request))
-    yield s
-    s.close()
+from ucm.lab.testing.core import blob, key, store_config
 
 
 def test_round_trip_lookup_and_prefix(store):

@@ -1,4 +1,7 @@
-"""Helpers of ucm-core's tests: keys and payloads that depend on an index alone, Mooncake."""
+"""Helpers of the stores' tests: the one generator of keys and payloads (every byte depends
+on an index or a key alone, so any process checks any block it loads without asking the one
+that wrote it), the stores the tests open, Mooncake's settings, bytes flipped in shared
+memory."""
 
 import secrets
 
@@ -7,11 +10,84 @@ import xxhash
 
 
 def key(i: int, salt: bytes = b"") -> bytes:
+    """Block key number ``i`` (16 bytes); ``salt`` makes another series."""
     return xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little"))
 
 
-def blob(i: int, size: int) -> np.ndarray:
-    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+def blob(i: int | bytes, size: int) -> np.ndarray:
+    """``size`` bytes that depend on ``i`` alone (an index, or a key)."""
+    seed = int.from_bytes(i, "little") if isinstance(i, bytes) else i
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def size_of(k: bytes, max_size: int) -> int:
+    """A payload size in [1, ``max_size``] that depends on the key ``k`` alone."""
+    return 1 + xxhash.xxh3_64_intdigest(b"size" + k) % max_size
+
+
+def payload_of(k: bytes, max_size: int) -> bytes:
+    """The payload of key ``k``: :func:`blob` of the key, of :func:`size_of` bytes."""
+    return blob(k, size_of(k, max_size)).tobytes()
+
+
+#: the secret of the stores of a ``-signed`` kind, in this environment variable
+SECRET = "env:UCM_CONTRACT_SECRET"
+
+
+def store_config(kind: str, tmp_path, request, **posix):
+    """The settings of a store of ``kind`` for a test (``request``: its fixtures, for the
+    shared-memory folder, the Mooncake master and the secret's variable):
+
+    ``posix``, ``posix-o_direct``, ``dram`` (shared memory), ``dram-process``, ``tiered``
+    (shared memory over posix), ``mooncake``, ``tiered-mooncake``, ``posix-over-mooncake``;
+    ``KIND-signed``: ``KIND`` with a secret.  ``posix``: settings of the posix stores."""
+    import attrs
+    from ucm.core.config import DramStoreConfig, PosixStoreConfig, TieredStoreConfig
+
+    if kind.endswith("-signed"):
+        request.getfixturevalue("monkeypatch").setenv(SECRET[4:], "contract-test-secret-0123456789")
+        unsigned = store_config(kind.removesuffix("-signed"), tmp_path, request, **posix)
+        return attrs.evolve(unsigned, secret=SECRET)
+    if kind in ("posix", "posix-o_direct"):
+        direct = {"o_direct": True} if kind == "posix-o_direct" else {}
+        return PosixStoreConfig(path=str(tmp_path / "p"), **direct, **posix)
+    if kind == "dram":
+        return shared_dram(request)
+    if kind == "dram-process":
+        return DramStoreConfig(capacity_gb=0.0625, scope="process")
+    if kind == "tiered":
+        return TieredStoreConfig(
+            dram=shared_dram(request),
+            backing=PosixStoreConfig(path=str(tmp_path / "t"), **posix),
+        )
+    master = request.getfixturevalue("mooncake_master")
+    if kind == "mooncake":
+        return mooncake_config(master)
+    if kind == "posix-over-mooncake":  # a local disk in front of the cluster
+        return TieredStoreConfig(
+            local=PosixStoreConfig(path=str(tmp_path / "local"), **posix),
+            backing=mooncake_config(master),
+        )
+    assert kind == "tiered-mooncake", kind
+    return TieredStoreConfig(dram=shared_dram(request), backing=mooncake_config(master))
+
+
+def shared_dram(request, capacity_gb: float = 0.0625):
+    """A host dram store's settings in the test's shared-memory folder."""
+    from ucm.core.config import DramStoreConfig
+
+    return DramStoreConfig(capacity_gb=capacity_gb, path=str(request.getfixturevalue("shm_dir")))
+
+
+def dram_store(folder, capacity_gb: float = 0.03125, **settings):
+    """A host dram store (an arena in shared memory) in ``folder``."""
+    from ucm.core.store import SharedMemoryStore, create_store
+
+    store = create_store(
+        {"kind": "dram", "path": str(folder), "capacity_gb": capacity_gb, **settings}
+    )
+    assert isinstance(store, SharedMemoryStore)
+    return store
 
 
 def mooncake_config(master, **overrides):

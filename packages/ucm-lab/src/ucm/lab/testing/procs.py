@@ -1,10 +1,9 @@
-"""Shared by the multi-process tests: deterministic keys and payloads, and the child processes.
-
-The tests import ``key_of``/``payload_of`` from here and start the children with::
+"""The child processes of the multi-process tests, started with::
 
     python -m ucm.lab.testing.procs MODE JSON_CONFIG
 
-Every payload is derived from its key alone, so any process can check any block it loads
+Their keys and payloads come from :mod:`ucm.lab.testing.core` (``key``, ``payload_of``):
+every payload is derived from its key alone, so any process can check any block it loads
 byte for byte without talking to the process that wrote it.
 """
 
@@ -20,20 +19,7 @@ import time
 from collections import Counter
 from typing import Any
 
-import xxhash
-
-
-def key_of(i: int, salt: bytes = b"ucm-proc-test") -> bytes:
-    return xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little"))
-
-
-def size_of(key: bytes, max_size: int) -> int:
-    """A payload size in [1, max_size] that depends on the key only."""
-    return 1 + xxhash.xxh3_64_intdigest(b"size" + key) % max_size
-
-
-def payload_of(key: bytes, max_size: int) -> bytes:
-    return random.Random(key).randbytes(size_of(key, max_size))
+from ucm.lab.testing.core import blob, key, payload_of, size_of
 
 
 def temp_files(root: str) -> list[str]:
@@ -74,7 +60,7 @@ def child_crash(cfg: dict) -> int:
 
     rng = random.Random(cfg["seed"])
     max_size = cfg["max_size"]
-    keys = [key_of(i) for i in range(cfg["n_keys"])]
+    keys = [key(i) for i in range(cfg["n_keys"])]
     store = _store(cfg)
     print("running", flush=True)
     while True:
@@ -104,7 +90,7 @@ def child_stress(cfg: dict) -> int:
 
     rng = random.Random(cfg["seed"])
     max_size = cfg["max_size"]
-    keys = [key_of(i) for i in range(cfg["n_keys"])]
+    keys = [key(i) for i in range(cfg["n_keys"])]
     expected = {k: payload_of(k, max_size) for k in keys}
     store = _store(cfg)
     print("ready", flush=True)
@@ -154,8 +140,8 @@ def child_fsize(cfg: dict) -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG, do not die
 
     def block(i: int, size: int) -> tuple[bytes, bytes]:
-        k = key_of(i, b"fsize")
-        return k, random.Random(k).randbytes(size)
+        k = key(i, b"fsize")
+        return k, blob(k, size).tobytes()
 
     sizes = {
         "big": 4 * limit,
