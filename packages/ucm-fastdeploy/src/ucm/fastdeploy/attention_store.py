@@ -27,10 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from ucm.core.model_identity import model_digest
+from ucm.core import Store, create_store, model_digest, write_sliced
 from ucm.core.settings import ConfigError
-from ucm.core.slicing import write_sliced
-from ucm.core.store import Store, create_store
 from ucm.fastdeploy.config import FastDeployConfig, load_config
 from ucm.fastdeploy.keys import KeySpace
 from ucm.fastdeploy.residency import ResidencyIndex

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from ucm.core import DIGEST_MODES, SliceWritePolicy, policy_from_env
 from ucm.core.config import StoreSettings, store_setting
-from ucm.core.model_identity import DIGEST_MODES
 from ucm.core.settings import (
     ConfigError,
     boolean,
@@ -34,7 +34,6 @@ from ucm.core.settings import (
     setting,
     with_config_file,
 )
-from ucm.core.slicing import SliceWritePolicy, policy_from_env
 
 CONFIG_FILE_ENV = "UCM_CONFIG_FILE"
 

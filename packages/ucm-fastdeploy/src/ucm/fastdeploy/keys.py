@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 
 import attrs
-from ucm.core.keys import Namespace, block_keys, scoped_keys
+from ucm.core import Namespace, block_keys, scoped_keys
 
 #: bump when what a FastDeploy block holds changes meaning
 KEY_VERSION = "fastdeploy-as/1"

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import xxhash
-from ucm.core.store import KeyResult, Status, Store, create_store
+from ucm.core import KeyResult, Status, Store, create_store
 from ucm.fastdeploy.config import FastDeployConfig, load_config
 from ucm.fastdeploy.keys import storage_seed
 from ucm.fastdeploy.tensors import check_index, to_torch

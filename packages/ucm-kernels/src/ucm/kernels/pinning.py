@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from ucm.core.store.payload import address_of
+from ucm.core import address_of
 
 if TYPE_CHECKING:
-    from ucm.core.store.writes import SlotWrites
+    from ucm.core import SlotWrites
 
     from ucm.kernels.staging import HostStager, TransferHandle
 

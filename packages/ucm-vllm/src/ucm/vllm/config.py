@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from ucm.core import DIGEST_MODES, parse_cpus
 from ucm.core.config import (
     DramStoreConfig,
     StoreSettings,
@@ -15,7 +16,6 @@ from ucm.core.config import (
     wa_capacity_fraction_setting,
     wa_dump_block_wise_setting,
 )
-from ucm.core.model_identity import DIGEST_MODES
 from ucm.core.settings import (
     ConfigError,
     boolean,
@@ -26,7 +26,6 @@ from ucm.core.settings import (
     setting,
     with_config_file,
 )
-from ucm.core.threads import parse_cpus
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from ucm.core.threads import place_store_threads
+from ucm.core import place_store_threads
 from ucm.vllm.config import connector_config, sync_loads
 from ucm.vllm.events import StoredEvents, StoredReport, medium_of
 from ucm.vllm.gauges import GaugeSampler

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ucm.core.store import Store
+from ucm.core import Store
 from ucm.vllm.stores import ConnectorStores
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,16 @@ import re
 from pathlib import Path
 
 import attrs
-from ucm.core.hybrid import FULL, WINDOW, HybridLayout, KVGroup
-from ucm.core.hybrid_store import key_rank
-from ucm.core.keys import Namespace
-from ucm.core.model_identity import config_digest, weights_digest
+from ucm.core import (
+    FULL,
+    WINDOW,
+    HybridLayout,
+    KVGroup,
+    Namespace,
+    config_digest,
+    key_rank,
+    weights_digest,
+)
 from ucm.vllm.config import ConnectorConfig
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from ucm.core import format_cpus, memory_nodes, parse_cpus, spare_cpus
 from ucm.core.settings import ConfigError
-from ucm.core.threads import format_cpus, memory_nodes, parse_cpus, spare_cpus
 
 log = logging.getLogger(__name__)
 

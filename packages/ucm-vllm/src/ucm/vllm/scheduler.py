@@ -12,9 +12,16 @@ import logging
 from typing import Any
 
 import attrs
-from ucm.core.hybrid import BlockRef, plan_load, usable_hit, wa_lookup_boundaries
-from ucm.core.hybrid_store import plan_dump
-from ucm.core.keys import block_keys, placed_extras, scoped_keys
+from ucm.core import (
+    BlockRef,
+    block_keys,
+    placed_extras,
+    plan_dump,
+    plan_load,
+    scoped_keys,
+    usable_hit,
+    wa_lookup_boundaries,
+)
 from ucm.vllm.counters import Counters
 from ucm.vllm.events import StoredEvents
 from ucm.vllm.layout import ModelLayout, adapter_files, adapter_identity

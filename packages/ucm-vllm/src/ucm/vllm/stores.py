@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from ucm.core import Store, create_store, split_store_config
 from ucm.core.config import StoreSettings, for_lookups_only
-from ucm.core.hybrid_store import split_store_config
-from ucm.core.store import Store, create_store
 from ucm.vllm.layout import GroupLayout
 
 log = logging.getLogger(__name__)

@@ -51,9 +51,7 @@ from typing import Any
 
 import attrs
 import torch
-from ucm.core.keys import scoped_keys
-from ucm.core.lifecycle import DumpTracker
-from ucm.core.store import KeyResult, Status, verified_prefix
+from ucm.core import DumpTracker, KeyResult, Status, scoped_keys, verified_prefix
 from ucm.kernels import payload_nbytes
 from ucm.kernels.mover import Caches, Mover, MoverSettings, Read, Route
 from ucm.vllm.counters import Counters

@@ -31,8 +31,7 @@ from typing import Any
 
 import attrs
 import torch
-from ucm.core.store import KeyResult, Status, Store, Task
-from ucm.core.store.reads import SlotReads
+from ucm.core import KeyResult, SlotReads, Status, Store, Task
 
 from ucm.kernels.mover.caches import Caches
 from ucm.kernels.mover.route import Route, RouteAsk, choose_route

@@ -37,9 +37,7 @@ from typing import Any
 
 import attrs
 import torch
-from ucm.core.store import Status, Store, Task, first_problem, verified_prefix
-from ucm.core.store.reads import SlotReads
-from ucm.core.store.writes import SlotWrites
+from ucm.core import SlotReads, SlotWrites, Status, Store, Task, first_problem, verified_prefix
 
 from ucm.kernels.mover.caches import Caches
 from ucm.kernels.mover.mover import Mover, wait_until

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import torch
-from ucm.core.store.payload import Payload
+from ucm.core import Payload
 
 from ucm.kernels.segments import BlockSegments
 from ucm.kernels.staging import alloc_host_buffers
