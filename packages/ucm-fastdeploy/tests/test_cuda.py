@@ -147,13 +147,13 @@ def _tier(path, **settings) -> AttentionStore:
 
 
 def _no_staging(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucm.kernels.mover.pipeline import _Run as Mover  # gathers and scatters through rows
+    from ucm.kernels.mover import Mover
 
     def staged(*args: object, **kwargs: object) -> None:
         raise AssertionError("a block went through a staging row")
 
-    monkeypatch.setattr(Mover, "gather", staged)
-    monkeypatch.setattr(Mover, "scatter", staged)
+    monkeypatch.setattr(Mover, "gather_rows", staged)
+    monkeypatch.setattr(Mover, "scatter_rows", staged)
 
 
 def test_gpu_blocks_move_straight_into_and_out_of_the_host_tier(shm_dir, monkeypatch) -> None:

@@ -17,7 +17,7 @@ import torch
 from ucm.core.store import SharedMemoryStore
 from ucm.core.store.dram.arena import WRITING
 from ucm.fastdeploy import AttentionStore
-from ucm.kernels.mover.pipeline import _Run as Mover  # a run's gathers and scatters through rows
+from ucm.kernels.mover import Mover
 from ucm.lab.testing.core import flip_shared_block_byte
 
 LAYERS, HEADS, BLOCK, DIM, BLOCKS = 4, 8, 64, 128, 24  # bf16: 1 MiB a block, every layer
@@ -62,8 +62,8 @@ def _no_staging(monkeypatch: pytest.MonkeyPatch) -> None:
     def staged(*args: object, **kwargs: object) -> None:
         raise AssertionError("a block went through a staging row")
 
-    monkeypatch.setattr(Mover, "gather", staged)
-    monkeypatch.setattr(Mover, "scatter", staged)
+    monkeypatch.setattr(Mover, "gather_rows", staged)
+    monkeypatch.setattr(Mover, "scatter_rows", staged)
 
 
 def test_blocks_move_straight_into_and_out_of_the_host_tier(shm_dir, monkeypatch) -> None:
@@ -109,7 +109,7 @@ def test_small_blocks_and_zero_copy_off_are_staged(shm_dir, monkeypatch) -> None
     """Below 1 MiB a block copies faster into rows than into slots apart; zero_copy false
     stages everything.  Both store the same bytes."""
     calls = {"gather": 0, "scatter": 0}
-    gather, scatter = Mover.gather, Mover.scatter
+    gather, scatter = Mover.gather_rows, Mover.scatter_rows
 
     def counted_gather(self, *args):
         calls["gather"] += 1
@@ -119,8 +119,8 @@ def test_small_blocks_and_zero_copy_off_are_staged(shm_dir, monkeypatch) -> None
         calls["scatter"] += 1
         return scatter(self, *args)
 
-    monkeypatch.setattr(Mover, "gather", counted_gather)
-    monkeypatch.setattr(Mover, "scatter", counted_scatter)
+    monkeypatch.setattr(Mover, "gather_rows", counted_gather)
+    monkeypatch.setattr(Mover, "scatter_rows", counted_scatter)
     n = 6
     tokens = _tokens(n)
     for heads, settings in ((2, {}), (HEADS, {"zero_copy": False})):
@@ -160,8 +160,8 @@ def test_a_step_the_store_has_no_room_for_goes_through_rows_in_order(shm_dir, mo
     for name in ("open_writes", "open_reads"):
         real = getattr(SharedMemoryStore, name)
         monkeypatch.setattr(SharedMemoryStore, name, every_third_refused(name, real))
-    monkeypatch.setattr(Mover, "gather", counted("gather", Mover.gather))
-    monkeypatch.setattr(Mover, "scatter", counted("scatter", Mover.scatter))
+    monkeypatch.setattr(Mover, "gather_rows", counted("gather", Mover.gather_rows))
+    monkeypatch.setattr(Mover, "scatter_rows", counted("scatter", Mover.scatter_rows))
     k, v = _caches(7)
     n = 11
     tokens = _tokens(n)

@@ -10,6 +10,7 @@ from ucm.lab.testing.core import flip_shared_block_byte
 
 from ucm.kernels import IN_PLACE_MIN_BYTES, block_segments
 from ucm.kernels.mover import (
+    Batch,
     Caches,
     Mover,
     MoverSettings,
@@ -139,10 +140,11 @@ def test_a_batch_moves_by_its_route_and_lands_where_it_belongs(
     ids, into = [3, 7, 1, 20, 11, 5], [0, 2, 4, 6, 8, 10]
     mover = Mover(MoverSettings(zero_copy=zero_copy))
     with _store(kind, tmp_path, shm_dir) as store:
-        assert mover.route(source, ids, nbytes, store, cache_lent=False)[0] is dump_route
-        task = mover.dump(source, ids, keys, store, b"t", nbytes)
+        dump = Batch(source, ids, keys, store, b"t", nbytes)
+        assert mover.route(dump, cache_lent=False)[0] is dump_route
+        task = mover.dump(dump)
         assert all(r.ok for r in task.wait(10))
-        read = mover.start_read(target, into, keys, store, b"t", nbytes, cache_lent=lent)
+        read = mover.start_read(Batch(target, into, keys, store, b"t", nbytes), cache_lent=lent)
         if kind == "dram" or read_route is not Route.STORE_MEMORY:
             assert read.route is read_route
         read.task.wait(10)
@@ -164,21 +166,19 @@ def test_the_caller_decides_which_loaded_blocks_count_and_rows_go_back(device, s
     before = [t.clone() for t in target.tensors]
     nbytes = source.payload_nbytes()
     keys = [bytes([40 + i]) * 16 for i in range(4)]
-    mover = Mover(MoverSettings(staging_bytes=1 << 20))
+    writer, mover = Mover(), Mover(MoverSettings(staging_bytes=1 << 20))
     with _store("dram", None, shm_dir) as store:
-        assert all(
-            r.ok for r in mover.dump(source, [0, 1, 2, 3], keys, store, b"t", nbytes).wait(10)
-        )
+        dumped = writer.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes))
+        assert all(r.ok for r in dumped.wait(10))
         flip_shared_block_byte(shm_dir, keys[1])
-        free = mover.pool.free_bytes
-        read = mover.start_read(target, [4, 5, 6, 7], keys, store, b"t", nbytes)
-        assert read.route is Route.ROWS and mover.pool.free_bytes == free - 4 * nbytes
+        read = mover.start_read(Batch(target, [4, 5, 6, 7], keys, store, b"t", nbytes))
+        assert read.route is Route.ROWS and len(read.rows) == 4
         read.task.wait(10)
         results = mover.settle_read(read)
         assert [r.status for r in results] == [Status.OK, Status.CORRUPT, Status.OK, Status.OK]
         prefix = verified_prefix(results)
         mover.complete_read(read, [i < prefix for i in range(4)])
-        assert mover.pool.free_bytes == free  # every row back
+        assert mover.pool.free_bytes == 4 * nbytes  # every row back to this reader's pool
     for got, src, old in zip(target.tensors, source.tensors, before):
         assert torch.equal(got[4].cpu(), src[0].cpu())
         assert torch.equal(got[5:8].cpu(), old[5:8].cpu())  # not used: not scattered
@@ -194,10 +194,12 @@ def test_a_run_in_steps_keeps_the_stored_prefix_whole(device, heads, tmp_path):
     ids = list(range(BLOCKS))[::-1]
     deadline = time.monotonic() + 30
     with _store("posix", tmp_path, None) as store:
-        assert write_run(mover, source, ids, keys, store, b"t", nbytes, deadline, "t") == BLOCKS
+        assert (
+            write_run(mover, Batch(source, ids, keys, store, b"t", nbytes), deadline, "t") == BLOCKS
+        )
         store.remove([keys[13]])  # a gap: the read stops there
         into = list(range(BLOCKS))
-        assert read_run(mover, target, into, keys, store, b"t", nbytes, deadline, "t") == 13
+        assert read_run(mover, Batch(target, into, keys, store, b"t", nbytes), deadline, "t") == 13
     for at in range(13):
         for got, want in zip(_block(target, at), _block(source, ids[at])):
             assert torch.equal(got, want)

@@ -40,7 +40,7 @@ from ucm.fastdeploy.tensors import (
     check_timeout,
     check_tokens,
 )
-from ucm.kernels.mover import Ahead, Mover, MoverSettings, RowPool, read_run, write_run
+from ucm.kernels.mover import Ahead, Batch, Mover, MoverSettings, RowPool, read_run, write_run
 
 log = logging.getLogger(__name__)
 
@@ -313,18 +313,13 @@ class AttentionStore:
         def write_slice(s: int, e: int, budget: float) -> int:
             deadline = time.monotonic() + budget
             following = min(e + self.policy.slice_blocks, start + n)
+            batch = Batch(
+                caches, ids[s - start : e - start], keys[s - start : e - start], self.store,
+                tag, cs.nbytes,
+            )  # fmt: skip
+            following_ids = ids[e - start : following - start]
             return write_run(
-                self._mover,
-                caches,
-                ids[s - start : e - start],
-                keys[s - start : e - start],
-                self.store,
-                tag,
-                cs.nbytes,
-                deadline,
-                f"fastdeploy {label}",
-                ahead,
-                ids[e - start : following - start],
+                self._mover, batch, deadline, f"fastdeploy {label}", ahead, following_ids
             )
 
         try:
@@ -360,10 +355,8 @@ class AttentionStore:
         began = time.monotonic()
         keys = self.keyspace.keys(tokens, start, start + n)
         label = f"task_id={task_id}"
-        filled = read_run(
-            self._mover, cs.for_mover(), ids[:n], keys, self.store, cs.tag(), cs.nbytes,
-            began + timeout, f"fastdeploy {label}",
-        )  # fmt: skip
+        batch = Batch(cs.for_mover(), ids[:n], keys, self.store, cs.tag(), cs.nbytes)
+        filled = read_run(self._mover, batch, began + timeout, f"fastdeploy {label}")
         log.debug(
             "ucm fastdeploy read %s: blocks=[%d, %d) read=%d/%d seconds=%.3f",
             label,

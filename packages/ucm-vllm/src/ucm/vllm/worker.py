@@ -51,9 +51,9 @@ from typing import Any
 
 import attrs
 import torch
-from ucm.core import DumpTracker, KeyResult, Status, scoped_keys, verified_prefix
+from ucm.core import DumpTracker, KeyResult, Status, Store, scoped_keys, verified_prefix
 from ucm.kernels import payload_nbytes
-from ucm.kernels.mover import Caches, Mover, MoverSettings, Read, Route
+from ucm.kernels.mover import Batch, Caches, Mover, MoverSettings, Read, Route
 from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
 from ucm.vllm.reports import RankReports, dropped_name
@@ -249,17 +249,8 @@ class WorkerSide:
         stores = self.stores
         batches = _positions(items, lambda it: (stores.of(self._group(it)), _shape(it)))
         for (store, (group, _)), positions in batches.items():
-            batch = [items[p] for p in positions]
-            read = self.mover.start_read(
-                self.caches[group],
-                [it.block_ids for it in batch],
-                self._keys(batch),
-                store,
-                LAYOUT_TAG,
-                self._item_bytes(batch[0]),
-                cache_lent=self.in_place,
-            )
-            job.batches.append((positions, read))
+            batch = self._batch(store, group, [items[p] for p in positions])
+            job.batches.append((positions, self.mover.start_read(batch, cache_lent=self.in_place)))
         return job
 
     def _finish_load(self, job: LoadJob, usable: bool = True) -> bool:
@@ -310,6 +301,19 @@ class WorkerSide:
             )  # fmt: skip
         return all_ok
 
+    def _batch(
+        self, store: Store, group: int, items: list[Item], keys: list[bytes] | None = None
+    ) -> Batch:
+        """``items`` (of one group and size) as the mover's batch."""
+        return Batch(
+            self.caches[group],
+            [it.block_ids for it in items],
+            self._keys(items) if keys is None else keys,
+            store,
+            LAYOUT_TAG,
+            self._item_bytes(items[0]),
+        )
+
     def _group(self, item: Item) -> GroupLayout:
         return self.layout.groups[item.group]
 
@@ -349,8 +353,7 @@ class WorkerSide:
         try:
             # gathered now, and waited for: the engine may reuse the blocks once this step
             # ends; the store writes behind
-            ids = [it.block_ids for it in items]
-            task = self.mover.dump(self.caches[group], ids, keys, store, LAYOUT_TAG, nbytes)
+            task = self.mover.dump(self._batch(store, group, items, keys))
         except Exception as exc:  # noqa: BLE001 - a failing store never stops serving
             log.warning("ucm: dump for request %s failed: %s", req_id, exc)
             self.stats.add_cause("dump_errors", "unavailable", len(items))

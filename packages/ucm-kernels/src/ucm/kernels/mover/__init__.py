@@ -10,7 +10,15 @@ a store, which every engine adapter drives.
 """
 
 from ucm.kernels.mover.caches import Caches
-from ucm.kernels.mover.mover import LOAN_ENDED, Mover, MoverSettings, Read, wait_until
+from ucm.kernels.mover.mover import (
+    LOAN_ENDED,
+    Batch,
+    Mover,
+    MoverSettings,
+    Read,
+    RoomWrite,
+    wait_until,
+)
 from ucm.kernels.mover.pipeline import Ahead, read_run, write_run
 from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
@@ -18,11 +26,13 @@ from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 __all__ = [
     "LOAN_ENDED",
     "Ahead",
+    "Batch",
     "Caches",
     "Mover",
     "MoverSettings",
     "Read",
     "Route",
+    "RoomWrite",
     "RouteAsk",
     "RowPool",
     "choose_route",

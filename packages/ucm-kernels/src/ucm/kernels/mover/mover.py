@@ -31,14 +31,14 @@ from typing import Any
 
 import attrs
 import torch
-from ucm.core import KeyResult, SlotReads, Status, Store, Task
+from ucm.core import KeyResult, SlotReads, SlotWrites, Status, Store, Task
 
 from ucm.kernels.mover.caches import Caches
 from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 from ucm.kernels.pinning import PinnedRegions, dump_into
 from ucm.kernels.segments import BlockSegments, block_segments
-from ucm.kernels.staging import HostStager
+from ucm.kernels.staging import HostStager, TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +63,36 @@ class MoverSettings:
 LOAN_ENDED = KeyResult(Status.ERROR, "the block's loan ran out before it was copied")
 
 
+@attrs.frozen
+class Batch:
+    """Blocks of one payload size moving between one set of caches and one store: block
+    ``block_ids[i]`` (an engine block id, or a list of them) under key ``keys[i]``."""
+
+    caches: Caches
+    block_ids: Sequence[Any]
+    keys: Sequence[bytes]
+    store: Store
+    tag: bytes  # the payload's layout, in every block's header
+    nbytes: int  # one block's payload
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def part(self, start: int, stop: int) -> Batch:
+        """Blocks ``[start, stop)`` of this batch."""
+        return attrs.evolve(self, block_ids=self.block_ids[start:stop], keys=self.keys[start:stop])
+
+
 @attrs.define
 class Read:
     """One batch's loads in flight: their route and what they land in."""
 
-    caches: Caches
-    block_ids: Sequence[Any]
+    batch: Batch
     route: Route
     task: Task | None  # None: the store could not start them (every result None)
     rows: list[torch.Tensor] = attrs.Factory(list)  # ROWS: one a block
     lent: SlotReads | None = None  # STORE_MEMORY: the blocks the store lends
     stopped: bool = False  # cancelled before it was settled (Mover.stop_read)
-
-    @property
-    def count(self) -> int:
-        return len(self.block_ids)
 
     def done(self) -> bool:
         return self.task is None or self.task.done()
@@ -88,8 +103,30 @@ class Read:
         those that landed before the stop are in the caches)."""
         gone = self.stopped and self.route is not Route.IN_PLACE
         if self.task is None or not self.task.done() or gone:
-            return [None] * self.count
+            return [None] * len(self.batch)
         return list(self.task.wait(0))
+
+
+@attrs.define
+class RoomWrite:
+    """A batch being gathered into room its store reserved in its memory, the copy maybe
+    still running: :meth:`commit` once it is done (the store seals and publishes the blocks
+    on its threads), or :meth:`abort`."""
+
+    writes: SlotWrites
+    handle: TransferHandle | None  # None: nothing to copy
+
+    def commit(self) -> Task:
+        # a copy that fails to end leaves the room reserved for as long as this process
+        # lives: it may still be written, so no other writer may get it
+        if self.handle is not None:
+            self.handle.wait()
+        return self.writes.commit()
+
+    def abort(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+        self.writes.abort()
 
 
 class Mover:
@@ -114,43 +151,35 @@ class Mover:
 
     # -- the route -------------------------------------------------------------------------
 
-    def route(
-        self,
-        caches: Caches,
-        block_ids: Sequence[Any],
-        nbytes: int,
-        store: Store,
-        *,
-        cache_lent: bool,
-    ) -> tuple[Route, BlockSegments | None]:
-        """The route of a batch, and its payloads as views of the caches where it moves in
-        place."""
-        segments = self.segments(caches, block_ids, nbytes) if self.settings.zero_copy else None
-        device = caches.device.type
+    def route(self, batch: Batch, *, cache_lent: bool) -> tuple[Route, BlockSegments | None]:
+        """The route of ``batch``, and its payloads as views of the caches where it moves
+        in place (``cache_lent``: the store may touch the cache blocks until the transfer
+        ends)."""
+        segments = self._segments(batch) if self.settings.zero_copy else None
+        device = batch.caches.device.type
         ask = RouteAsk(
             device=device,
-            nbytes=nbytes,
+            nbytes=batch.nbytes,
             contiguous=segments is not None,
             cache_lent=cache_lent,
-            registered=device == "cuda" and not self._refused and self._registered(store),
+            registered=device == "cuda" and not self._refused and self._registered(batch.store),
             zero_copy=self.settings.zero_copy and not self._refused,
         )
         route = choose_route(ask)
         return route, segments if route is Route.IN_PLACE else None
 
-    def segments(
-        self, caches: Caches, block_ids: Sequence[Any], nbytes: int
-    ) -> BlockSegments | None:
+    def _segments(self, batch: Batch) -> BlockSegments | None:
         """Each block's payload as views of the caches, or None (their layout does not
         allow it, or a block would not be ``nbytes``)."""
+        caches = batch.caches
         if caches.device.type != "cpu":
             return None
         try:
-            segments = block_segments(list(caches.tensors), block_ids, **caches.options())
+            segments = block_segments(list(caches.tensors), batch.block_ids, **caches.options())
         except (TypeError, ValueError) as exc:  # the copy kernels check and report the same
             log.debug("ucm: payloads as views of the cache not possible (%s)", exc)
             return None
-        if segments is None or segments.nbytes != nbytes:
+        if segments is None or segments.nbytes != batch.nbytes:
             return None
         return segments
 
@@ -182,11 +211,13 @@ class Mover:
                     return False
             return bool(self.pinned)
 
-    def refuse(self, what: str, exc: Exception) -> None:
+    def _refuse(self, what: str, exc: Exception) -> None:
         """A copy refused the stores' memory (on a GPU: not pinned after all): rows from
         now on."""
         log.warning("ucm: cannot copy %s the store's memory (%s): using rows", what, exc)
         self._refused = True
+
+    # -- copies ----------------------------------------------------------------------------
 
     def stager(self, device: torch.device) -> HostStager:
         """This thread's stager for ``device`` (its own side stream on a GPU)."""
@@ -195,119 +226,119 @@ class Mover:
             stagers[device] = HostStager(device)
         return stagers[device]  # type: ignore[no-any-return]
 
-    def take_rows(self, nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
-        """Rows of ours for ``count`` blocks (pinned on a GPU: its copies are asynchronous)."""
-        return self.pool.take(nbytes, count, pin=device.type == "cuda")
+    def take_rows(self, batch: Batch) -> list[torch.Tensor]:
+        """Rows of ours for the batch (pinned on a GPU: its copies are asynchronous)."""
+        return self.pool.take(batch.nbytes, len(batch), pin=batch.caches.device.type == "cuda")
 
-    # -- dumps ------------------------------------------------------------------------------
+    def gather_rows(self, batch: Batch, rows: Sequence[torch.Tensor]) -> None:
+        """Gather the batch's blocks into rows of ours."""
+        caches = batch.caches
+        stager = self.stager(caches.device)
+        stager.dump(list(caches.tensors), batch.block_ids, rows, **caches.options()).wait()
 
-    def dump(
-        self,
-        caches: Caches,
-        block_ids: Sequence[Any],
-        keys: Sequence[bytes],
-        store: Store,
-        tag: bytes,
-        nbytes: int,
-    ) -> Task:
-        """Gather the blocks now (the engine may reuse them once this returns) and have the
-        store write them behind: straight into room it reserves in its memory where it has
-        some, else from rows of ours (given back once written).  Raises what the store
-        raises on starting; rows are given back then."""
-        route, _ = self.route(caches, block_ids, nbytes, store, cache_lent=False)
-        if route is Route.STORE_MEMORY:
-            task = self._dump_into_store(caches, block_ids, keys, store, tag, nbytes)
-            if task is not None:
-                return task
-        rows = self.take_rows(nbytes, len(keys), caches.device)
+    def scatter_rows(self, batch: Batch, rows: Sequence[torch.Tensor]) -> None:
+        """Scatter rows of ours into the batch's blocks (``rows[i]`` into block i)."""
+        caches = batch.caches
+        stager = self.stager(caches.device)
+        stager.load(list(caches.tensors), batch.block_ids, rows, **caches.options()).wait()
+
+    def start_room_write(self, batch: Batch) -> RoomWrite | None:
+        """Start gathering the batch straight into room its store reserves in its memory;
+        None where it has no room, or the copy refused it (then it goes through rows)."""
         try:
+            writes = batch.store.open_writes(list(batch.keys), batch.nbytes, batch.tag)
+        except Exception as exc:  # noqa: BLE001 - the dump through rows reports the store
+            log.debug("ucm: no room to write in place (%s)", exc)
+            return None
+        if writes is None:
+            return None
+        caches = batch.caches
+        try:
+            handle = dump_into(
+                self.stager(caches.device),
+                self.pinned,
+                list(caches.tensors),
+                batch.block_ids,
+                writes,
+                **caches.options(),
+            )
+        except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)
+            self._refuse("into", exc)
+            return None
+        return RoomWrite(writes, handle)
+
+    def lent(self, batch: Batch) -> SlotReads | None:
+        """The batch's stored blocks lent where they lie in its store's memory, checked on
+        the store's threads; None where the store lends none."""
+        try:
+            return batch.store.open_reads(list(batch.keys), batch.nbytes, batch.tag)
+        except Exception as exc:  # noqa: BLE001 - the load through rows reports the store
+            log.debug("ucm: no blocks lent in place (%s)", exc)
+            return None
+
+    def start_copy_out(self, batch: Batch, lent: SlotReads, count: int) -> TransferHandle | None:
+        """Start scattering the first ``count`` lent blocks of the batch into its blocks;
+        None where the copy refused the store's memory (then rows from now on)."""
+        if not count:
+            return None
+        caches = batch.caches
+        try:
+            rows = self.pinned.rows(lent.views[:count])  # type: ignore[arg-type]
+            ids = batch.block_ids[:count]
             stager = self.stager(caches.device)
-            stager.dump(list(caches.tensors), block_ids, rows, **caches.options()).wait()
-            task = store.dump(list(keys), row_buffers(rows), tag)
+            return stager.load(list(caches.tensors), ids, rows, **caches.options())
+        except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
+            self._refuse("out of", exc)
+            return None
+
+    # -- one batch each way -------------------------------------------------------------------
+
+    def dump(self, batch: Batch) -> Task:
+        """Gather the batch now (the engine may reuse its blocks once this returns) and have
+        the store write it behind: straight into room it reserves in its memory where it
+        has some, else from rows of ours (given back once written).  Raises what the store
+        raises on starting; rows are given back then."""
+        route, _ = self.route(batch, cache_lent=False)
+        if route is Route.STORE_MEMORY:
+            room = self.start_room_write(batch)
+            if room is not None:
+                return room.commit()
+        rows = self.take_rows(batch)
+        try:
+            self.gather_rows(batch, rows)
+            task = batch.store.dump(list(batch.keys), row_buffers(rows), batch.tag)
         except BaseException:
             self.pool.give(rows)
             raise
         task.add_done_callback(lambda _task: self.pool.give(rows))
         return task
 
-    def _dump_into_store(
-        self,
-        caches: Caches,
-        block_ids: Sequence[Any],
-        keys: Sequence[bytes],
-        store: Store,
-        tag: bytes,
-        nbytes: int,
-    ) -> Task | None:
-        """Gather straight into room the store reserves, then commit it (the store seals and
-        publishes on its threads); None where it has no room, or the copy refused it."""
-        try:
-            writes = store.open_writes(list(keys), nbytes, tag)
-        except Exception as exc:  # noqa: BLE001 - the dump through rows reports the store
-            log.debug("ucm: no room to write in place (%s)", exc)
-            return None
-        if writes is None:
-            return None
-        stager = self.stager(caches.device)
-        try:
-            handle = dump_into(
-                stager, self.pinned, list(caches.tensors), block_ids, writes, **caches.options()
-            )
-        except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)
-            self.refuse("into", exc)
-            return None
-        if handle is not None:
-            # a copy that fails to end leaves the room reserved for as long as this process
-            # lives: it may still be written, so no other writer may get it
-            handle.wait()
-        return writes.commit()
-
-    # -- reads ------------------------------------------------------------------------------
-
-    def start_read(
-        self,
-        caches: Caches,
-        block_ids: Sequence[Any],
-        keys: Sequence[bytes],
-        store: Store,
-        tag: bytes,
-        nbytes: int,
-        *,
-        cache_lent: bool = False,
-    ) -> Read:
-        """Submit a batch's loads: into the caches themselves (``cache_lent``: the caller
+    def start_read(self, batch: Batch, *, cache_lent: bool = False) -> Read:
+        """Submit the batch's loads: into the caches themselves (``cache_lent``: the caller
         keeps the blocks until the read is settled or stopped), out of blocks the store
         lends, or into rows of ours.  A store that fails to start gives a read with no
         task (logged): every block fails."""
-        route, segments = self.route(caches, block_ids, nbytes, store, cache_lent=cache_lent)
-        read = Read(caches, block_ids, route, None)
+        route, segments = self.route(batch, cache_lent=cache_lent)
+        read = Read(batch, route, None)
+        store, keys = batch.store, list(batch.keys)
         try:
             if route is Route.STORE_MEMORY:
-                read.lent = self._open_reads(store, keys, nbytes, tag)
+                read.lent = self.lent(batch)
                 if read.lent is not None:
                     read.task = read.lent.task
                     return read
                 read.route = Route.ROWS
             if segments is not None:
                 payloads = deferred_payloads(segments, range(len(keys)))
-                read.task = store.load(list(keys), payloads, tag)
+                read.task = store.load(keys, payloads, batch.tag)
                 return read
-            read.rows = self.take_rows(nbytes, len(keys), caches.device)
-            read.task = store.load(list(keys), row_buffers(read.rows), tag)
+            read.rows = self.take_rows(batch)
+            read.task = store.load(keys, row_buffers(read.rows), batch.tag)
         except Exception as exc:  # noqa: BLE001 - a failing store is a miss
             log.warning("ucm: a load of %d blocks failed to start: %s", len(keys), exc)
             self.pool.give(read.rows)
             read.rows = []
         return read
-
-    def _open_reads(
-        self, store: Store, keys: Sequence[bytes], nbytes: int, tag: bytes
-    ) -> SlotReads | None:
-        try:
-            return store.open_reads(list(keys), nbytes, tag)
-        except Exception as exc:  # noqa: BLE001 - the load through rows reports the store
-            log.debug("ucm: no blocks lent in place (%s)", exc)
-            return None
 
     def settle_read(self, read: Read) -> list[KeyResult | None]:
         """The batch's results once its loads ended (or timed out: None); blocks the store
@@ -319,14 +350,16 @@ class Mover:
         lent, read.lent = read.lent, None
         ok = [i for i, r in enumerate(results) if r is not None and r.ok]
         try:
-            if ok:
-                rows = self.pinned.rows([lent.views[i] for i in ok])  # type: ignore[misc]
-                stager = self.stager(read.caches.device)
-                ids = [read.block_ids[i] for i in ok]
-                stager.load(list(read.caches.tensors), ids, rows, **read.caches.options()).wait()
+            if ok:  # the checked blocks, wherever they are in the batch
+                views = [lent.views[i] for i in ok]
+                rows = self.pinned.rows(views)  # type: ignore[arg-type]
+                ids = [read.batch.block_ids[i] for i in ok]
+                caches = read.batch.caches
+                stager = self.stager(caches.device)
+                stager.load(list(caches.tensors), ids, rows, **caches.options()).wait()
         except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
-            self.refuse("out of", exc)
-            results = [KeyResult(Status.ERROR, str(exc))] * read.count
+            self._refuse("out of", exc)
+            results = [KeyResult(Status.ERROR, str(exc))] * len(read.batch)
         finally:  # every loan ends, whatever happened
             held = lent.release()
         return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]
@@ -340,10 +373,12 @@ class Mover:
         try:
             used = [i for i, u in enumerate(use) if u and i < len(rows)]
             if used:
-                stager = self.stager(read.caches.device)
-                ids = [read.block_ids[i] for i in used]
-                tensors = list(read.caches.tensors)
-                stager.load(tensors, ids, [rows[i] for i in used], **read.caches.options()).wait()
+                part = attrs.evolve(
+                    read.batch,
+                    block_ids=[read.batch.block_ids[i] for i in used],
+                    keys=[read.batch.keys[i] for i in used],
+                )
+                self.scatter_rows(part, [rows[i] for i in used])
         finally:
             self.pool.give(rows)
 

@@ -37,13 +37,11 @@ from typing import Any
 
 import attrs
 import torch
-from ucm.core import SlotReads, SlotWrites, Status, Store, Task, first_problem, verified_prefix
+from ucm.core import SlotReads, Status, Task, first_problem, verified_prefix
 
-from ucm.kernels.mover.caches import Caches
-from ucm.kernels.mover.mover import Mover, wait_until
+from ucm.kernels.mover.mover import Batch, Mover, RoomWrite, wait_until
 from ucm.kernels.mover.route import Route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
-from ucm.kernels.pinning import dump_into
 from ucm.kernels.segments import BlockSegments
 from ucm.kernels.staging import TransferHandle
 
@@ -62,29 +60,6 @@ class _Step:
     task: Task
     rows: list[torch.Tensor] | None  # our rows; None in place or lent
     lent: SlotReads | None = None  # a read's blocks the store lends where they lie
-
-
-@attrs.define
-class _RoomWrite:
-    """A write step gathered into the store's room, its copy possibly still running: it is
-    committed once the copy is done, while the next step's copy is prepared."""
-
-    offset: int
-    count: int
-    writes: SlotWrites
-    handle: TransferHandle | None  # None: nothing to copy
-
-    def commit(self) -> _Step:
-        # A copy that fails to finish leaves the room reserved, not given back: the copy
-        # may still write it, so no other writer gets it while this process lives.
-        if self.handle is not None:
-            self.handle.wait()
-        return _Step(self.offset, self.count, self.writes.commit(), None)
-
-    def abort(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-        self.writes.abort()
 
 
 @attrs.define
@@ -146,33 +121,18 @@ class _Run:
     """What every step of one run shares."""
 
     mover: Mover
-    caches: Caches
-    store: Store
-    tag: bytes
-    nbytes: int
+    batch: Batch  # the whole run
     deadline: float
     label: str
 
     @property
     def step(self) -> int:
-        return max(1, self.mover.settings.step_bytes // self.nbytes)
-
-    @property
-    def grace_s(self) -> float:
-        return self.mover.settings.grace_s
-
-    def gather(self, block_ids: Sequence[Any], rows: list[torch.Tensor]) -> None:
-        stager = self.mover.stager(self.caches.device)
-        stager.dump(list(self.caches.tensors), block_ids, rows, **self.caches.options()).wait()
-
-    def scatter(self, block_ids: Sequence[Any], rows: Sequence[torch.Tensor]) -> None:
-        stager = self.mover.stager(self.caches.device)
-        stager.load(list(self.caches.tensors), block_ids, rows, **self.caches.options()).wait()
+        return max(1, self.mover.settings.step_bytes // self.batch.nbytes)
 
     def stop(self, steps: Sequence[_Step]) -> bool:
         """Cancel ``steps`` and wait up to the grace until the store has let go of their
         buffers (the caches, in place); whether it has."""
-        end = time.monotonic() + self.grace_s
+        end = time.monotonic() + self.mover.settings.grace_s
         quiet = True
         for s in steps:
             quiet = s.task.cancel(wait=max(0.0, end - time.monotonic())) and quiet
@@ -184,59 +144,47 @@ class _Run:
 
 def write_run(
     mover: Mover,
-    caches: Caches,
-    block_ids: Sequence[Any],
-    keys: Sequence[bytes],
-    store: Store,
-    tag: bytes,
-    nbytes: int,
+    batch: Batch,
     deadline: float,
     label: str,
     ahead: Ahead | None = None,
     next_ids: Sequence[Any] = (),
 ) -> int:
-    """Store ``block_ids`` under ``keys``; how many leading blocks are stored.
+    """Store the run's blocks; how many leading blocks are stored.
 
     Through rows, with ``ahead``: steps gathered by the previous call are used, and the
     first steps of ``next_ids`` (the caller's next run) are gathered while this call's
     writes finish."""
-    run = _Run(mover, caches, store, tag, nbytes, deadline, label)
-    n = len(keys)
+    run = _Run(mover, batch, deadline, label)
+    n = len(batch)
     steps: deque[_Step] = deque()
     try:
-        route, segments = mover.route(caches, block_ids, nbytes, store, cache_lent=True)
+        route, segments = mover.route(batch, cache_lent=True)
         if segments is not None:  # nothing to copy, no rows to bound
             step = max(run.step, -(-n // IN_PLACE_STEPS))
             for off in range(0, n, step):
                 count = min(step, n - off)
                 payloads = deferred_payloads(segments, range(off, off + count))
-                task = store.dump(list(keys[off : off + count]), payloads, tag)
+                task = batch.store.dump(list(batch.keys[off : off + count]), payloads, batch.tag)
                 steps.append(_Step(off, count, task, None))
         else:
             into_store = route is Route.STORE_MEMORY
-            _write_steps(run, block_ids, keys, steps, ahead, into_store)
+            _write_steps(run, steps, ahead, into_store)
             if ahead is not None and not into_store:
                 _gather_ahead(run, steps, next_ids, ahead)
     except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
         log.warning("ucm %s: write of blocks %d.. failed: %s", label,
                     sum(s.count for s in steps), exc)  # fmt: skip
-    return _settle(run, steps, keys)
+    return _settle(run, steps)
 
 
-def _write_steps(
-    run: _Run,
-    block_ids: Sequence[Any],
-    keys: Sequence[bytes],
-    steps: deque[_Step],
-    ahead: Ahead | None,
-    into_store: bool,
-) -> None:
+def _write_steps(run: _Run, steps: deque[_Step], ahead: Ahead | None, into_store: bool) -> None:
     """Write in steps, each into the store's memory (``into_store``) where it has room,
     else through rows.  A step copied into the store's memory is committed once the next
     step's copy is under way: the copies run back to back."""
-    n = len(keys)
+    n = len(run.batch)
     step = run.step
-    copying: _RoomWrite | None = None
+    copying: tuple[int, int, RoomWrite] | None = None  # offset, count, its room
     try:
         for off in range(0, n, step):
             # Bound the rows: wait for the oldest step before gathering another.
@@ -249,74 +197,38 @@ def _write_steps(
             ):
                 break
             count = min(step, n - off)
-            ids, ks = block_ids[off : off + count], keys[off : off + count]
-            started = _start_room_write(run, off, ids, ks) if into_store else None
+            part = run.batch.part(off, off + count)
+            room = run.mover.start_room_write(part) if into_store else None
             if copying is not None:  # in order: before this step, through rows or not
-                done, copying = copying, None
-                steps.append(done.commit())
-            if started is not None:
-                copying = started
+                (at, size, done), copying = copying, None
+                steps.append(_Step(at, size, done.commit(), None))
+            if room is not None:
+                copying = (off, count, room)
                 continue
-            _write_step(run, off, ids, ks, steps, ahead)
+            _write_step(run, off, part, steps, ahead)
         if copying is not None:
-            done, copying = copying, None
-            steps.append(done.commit())
+            (at, size, done), copying = copying, None
+            steps.append(_Step(at, size, done.commit(), None))
     finally:
         if copying is not None:  # something failed meanwhile: its room goes back
-            copying.abort()
+            copying[2].abort()
 
 
-def _write_step(
-    run: _Run,
-    off: int,
-    ids: Sequence[Any],
-    ks: Sequence[bytes],
-    steps: deque[_Step],
-    ahead: Ahead | None,
-) -> None:
+def _write_step(run: _Run, off: int, part: Batch, steps: deque[_Step], ahead: Ahead | None) -> None:
     """One step through rows."""
     pool = run.mover.pool
-    rows = ahead.take(ids) if ahead is not None else None
+    rows = ahead.take(part.block_ids) if ahead is not None else None
     try:
         if rows is None:
-            rows = run.mover.take_rows(run.nbytes, len(ids), run.caches.device)
-            run.gather(ids, rows)
-        task = run.store.dump(list(ks), row_buffers(rows), run.tag)
+            rows = run.mover.take_rows(part)
+            run.mover.gather_rows(part, rows)
+        task = part.store.dump(list(part.keys), row_buffers(rows), part.tag)
     except Exception:
         if rows is not None:
             pool.give(rows)
         raise
     task.add_done_callback(lambda _t, r=rows: pool.give(r))
-    steps.append(_Step(off, len(ids), task, rows))
-
-
-def _start_room_write(
-    run: _Run, offset: int, block_ids: Sequence[Any], keys: Sequence[bytes]
-) -> _RoomWrite | None:
-    """Start gathering the blocks straight into room the store reserves in its memory
-    (committed once copied: the store seals and publishes them on its threads); None where
-    it has no room for them: they go through rows."""
-    try:
-        writes = run.store.open_writes(list(keys), run.nbytes, run.tag)
-    except Exception as exc:  # noqa: BLE001 - the dump through rows that follows reports it
-        log.debug("ucm: no room to write in place (%s)", exc)
-        return None
-    if writes is None:
-        return None
-    mover, caches = run.mover, run.caches
-    try:
-        handle = dump_into(
-            mover.stager(caches.device),
-            mover.pinned,
-            list(caches.tensors),
-            block_ids,
-            writes,
-            **caches.options(),
-        )
-    except ValueError as exc:  # the copy refused the room (a GPU: not pinned after all)
-        mover.refuse("into", exc)
-        return None
-    return _RoomWrite(offset, len(keys), writes, handle)
+    steps.append(_Step(off, len(part), task, rows))
 
 
 def _gather_ahead(run: _Run, steps: deque[_Step], next_ids: Sequence[Any], ahead: Ahead) -> None:
@@ -327,16 +239,18 @@ def _gather_ahead(run: _Run, steps: deque[_Step], next_ids: Sequence[Any], ahead
         if not busy or full or time.monotonic() >= run.deadline:
             return
         ids = next_ids[off : off + step]
-        rows = run.mover.take_rows(run.nbytes, len(ids), run.caches.device)
+        # the next run's blocks: only their caches and size matter to a gather
+        part = attrs.evolve(run.batch, block_ids=ids, keys=[b""] * len(ids))
+        rows = run.mover.take_rows(part)
         try:
-            run.gather(ids, rows)
+            run.mover.gather_rows(part, rows)
         except Exception:  # noqa: BLE001 - the next run gathers it again and reports
             run.mover.pool.give(rows)
             return
         ahead.ready[_ids_key(ids)] = rows
 
 
-def _settle(run: _Run, steps: deque[_Step], keys: Sequence[bytes]) -> int:
+def _settle(run: _Run, steps: deque[_Step]) -> int:
     """The leading stored blocks; nothing past the first gap stays in the store."""
     for s in steps:
         if not wait_until(s.task, run.deadline):
@@ -355,11 +269,11 @@ def _settle(run: _Run, steps: deque[_Step], keys: Sequence[bytes]) -> int:
                 log.warning("ucm %s: block %d not stored: %s", run.label, s.offset + good,
                             first_problem(results))  # fmt: skip
             break
-    _drop_after(run, steps, keys, written)
+    _drop_after(run, steps, written)
     return written
 
 
-def _drop_after(run: _Run, steps: deque[_Step], keys: Sequence[bytes], written: int) -> None:
+def _drop_after(run: _Run, steps: deque[_Step], written: int) -> None:
     """Remove blocks stored past ``written`` (now, or when their step finishes): without the
     gap they are unreachable, would only take space, and a plain ``lookup`` would count
     them."""
@@ -367,7 +281,7 @@ def _drop_after(run: _Run, steps: deque[_Step], keys: Sequence[bytes], written: 
         first = max(written - s.offset, 0)
         if first >= s.count:
             continue
-        step_keys = keys[s.offset : s.offset + s.count]
+        step_keys = run.batch.keys[s.offset : s.offset + s.count]
 
         def drop(task: Task, first: int = first, step_keys: Sequence[bytes] = step_keys) -> None:
             results = task.wait(0)
@@ -375,7 +289,7 @@ def _drop_after(run: _Run, steps: deque[_Step], keys: Sequence[bytes], written: 
             if not stored:
                 return
             try:
-                run.store.remove(stored)
+                run.batch.store.remove(stored)
             except Exception as exc:  # noqa: BLE001 - a failing store never fails the engine
                 log.warning("ucm %s: cannot remove %d blocks past the stored prefix: %s",
                             run.label, len(stored), exc)  # fmt: skip
@@ -386,20 +300,10 @@ def _drop_after(run: _Run, steps: deque[_Step], keys: Sequence[bytes], written: 
 # -- reads -----------------------------------------------------------------------------------
 
 
-def read_run(
-    mover: Mover,
-    caches: Caches,
-    block_ids: Sequence[Any],
-    keys: Sequence[bytes],
-    store: Store,
-    tag: bytes,
-    nbytes: int,
-    deadline: float,
-    label: str,
-) -> int:
-    """Load ``keys`` into ``block_ids``; how many leading blocks were filled."""
-    run = _Run(mover, caches, store, tag, nbytes, deadline, label)
-    n = len(keys)
+def read_run(mover: Mover, batch: Batch, deadline: float, label: str) -> int:
+    """Load the run's blocks; how many leading blocks were filled."""
+    run = _Run(mover, batch, deadline, label)
+    n = len(batch)
     step = run.step
     from_store = False
     pending: deque[_Step] = deque()
@@ -419,7 +323,7 @@ def read_run(
         return short
 
     try:
-        route, segments = mover.route(caches, block_ids, nbytes, store, cache_lent=True)
+        route, segments = mover.route(batch, cache_lent=True)
         depth = mover.settings.depth
         if segments is not None:  # in place: no rows to bound
             depth, step = n, max(step, -(-n // IN_PLACE_STEPS))
@@ -428,7 +332,7 @@ def read_run(
         while True:
             while submitted < n and len(pending) < depth:
                 count = min(step, n - submitted)
-                pending.append(_load(run, keys, segments, submitted, count, from_store))
+                pending.append(_load(run, segments, submitted, count, from_store))
                 submitted += count
             if not pending:
                 break
@@ -441,9 +345,18 @@ def read_run(
                     break
             results = s.task.partial()
             good = verified_prefix(results)
+            part = batch.part(s.offset, s.offset + s.count)
             if s.lent is not None:  # copied out, then given back
                 lent, s.lent = s.lent, None
-                copying = _start_copy_lent(run, block_ids, s, good, lent)
+                copying = _LentCopy(s.offset, s.count, good, lent, None)
+                try:
+                    copying.handle = mover.start_copy_out(part, lent, good)
+                except BaseException:
+                    copying = None
+                    lent.release()
+                    raise
+                if good and copying.handle is None:
+                    copying.why = "cannot copy out of the store's memory"
                 if good < s.count:  # the read stops here: no next copy to overlap
                     copying.why = copying.why or first_problem(results)
                     problem = finish_copy()
@@ -452,7 +365,7 @@ def read_run(
             if not finished:
                 late.append(s)  # its leading loaded blocks still count
             if good and s.rows is not None:
-                run.scatter(block_ids[s.offset : s.offset + good], s.rows[:good])
+                mover.scatter_rows(part.part(0, good), s.rows[:good])
             if finished and s.rows is not None:
                 mover.pool.give(s.rows)
             filled += good
@@ -483,56 +396,26 @@ def read_run(
 
 
 def _load(
-    run: _Run,
-    keys: Sequence[bytes],
-    segments: BlockSegments | None,
-    offset: int,
-    count: int,
-    from_store: bool,
+    run: _Run, segments: BlockSegments | None, offset: int, count: int, from_store: bool
 ) -> _Step:
     """Submit the loads of blocks ``[offset, offset + count)``: in place, lent by the store
     (``from_store``, where it lends them), or into rows."""
-    ks = list(keys[offset : offset + count])
+    part = run.batch.part(offset, offset + count)
+    keys = list(part.keys)
     if from_store:
-        try:
-            lent = run.store.open_reads(ks, run.nbytes, run.tag)
-        except Exception as exc:  # noqa: BLE001 - the load that follows reports the store
-            log.debug("ucm: no blocks lent in place (%s)", exc)
-            lent = None
+        lent = run.mover.lent(part)
         if lent is not None:
             return _Step(offset, count, lent.task, None, lent)
     if segments is not None:
         payloads = deferred_payloads(segments, range(offset, offset + count))
-        return _Step(offset, count, run.store.load(ks, payloads, run.tag), None)
-    rows = run.mover.take_rows(run.nbytes, count, run.caches.device)
+        return _Step(offset, count, part.store.load(keys, payloads, part.tag), None)
+    rows = run.mover.take_rows(part)
     try:
-        task = run.store.load(ks, row_buffers(rows), run.tag)
+        task = part.store.load(keys, row_buffers(rows), part.tag)
     except Exception:
         run.mover.pool.give(rows)
         raise
     return _Step(offset, count, task, rows)
-
-
-def _start_copy_lent(
-    run: _Run, block_ids: Sequence[Any], s: _Step, good: int, lent: SlotReads
-) -> _LentCopy:
-    """Start scattering step ``s``'s ``good`` leading lent blocks, checked, into their cache
-    blocks (given back once copied: :meth:`_LentCopy.finish`)."""
-    copy = _LentCopy(s.offset, s.count, good, lent, None)
-    mover, caches = run.mover, run.caches
-    try:
-        if good:
-            ids = block_ids[s.offset : s.offset + good]
-            rows = mover.pinned.rows(lent.views[:good])  # type: ignore[arg-type]
-            stager = mover.stager(caches.device)
-            copy.handle = stager.load(list(caches.tensors), ids, rows, **caches.options())
-    except ValueError as exc:  # the copy refused the store's memory (a GPU: not pinned)
-        mover.refuse("out of", exc)
-        copy.why = f"cannot copy out of the store's memory: {exc}"
-    except BaseException:
-        lent.release()
-        raise
-    return copy
 
 
 def _warn_late(late: Sequence[_Step], label: str) -> None:
