@@ -52,7 +52,6 @@ from typing import Any
 import attrs
 import torch
 from ucm.core import DumpTracker, KeyResult, Status, Store, scoped_keys, verified_prefix
-from ucm.kernels import payload_nbytes
 from ucm.kernels.mover import Batch, Caches, Mover, MoverSettings, Read, Route
 from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
@@ -159,8 +158,7 @@ class WorkerSide:
     def _row_bytes(self, group: int, blocks: int) -> int:
         size = self._nbytes.get((group, blocks))
         if size is None:
-            tensors = list(self.caches[group].tensors)
-            size = self._nbytes[(group, blocks)] = payload_nbytes(tensors, blocks)
+            size = self._nbytes[(group, blocks)] = self.caches[group].payload_nbytes(blocks)
         return size
 
     def _item_bytes(self, item: Item) -> int:
