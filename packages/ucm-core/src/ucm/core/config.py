@@ -19,6 +19,7 @@ from ucm.core.settings import (
     fraction,
     from_dict,
     gib_to_bytes,
+    int_in_range,
     load_yaml,
     setting,
     with_config_file,
@@ -53,6 +54,36 @@ def store_setting() -> Any:
         factory=PosixStoreConfig,
         validator=_is_store,
         metadata={"parse": parse_store_config},
+    )
+
+
+# --- how blocks move between an engine's cache and the store (ucm.kernels.mover) -------------
+
+
+def zero_copy_setting() -> Any:
+    """The ``zero_copy`` field, for an engine adapter's settings class to reuse."""
+    return setting(
+        "Move blocks without a copy of UCM's own where the caches and the store allow it: "
+        "a store writes and reads the cache blocks in place (CPU caches whose blocks are "
+        "runs of memory, where the engine lets the store touch them until the transfer "
+        "ends); GPU caches (and CPU blocks of 1 MiB or more, or runs of memory) are copied "
+        "straight into and out of the memory of a store that keeps its blocks in this "
+        "host's memory (dram, scope host), registered with the GPU's driver. false: every "
+        "block goes through host rows, gathered and scattered by ucm.kernels.",
+        default=True,
+        validator=boolean,
+    )
+
+
+def pipeline_chunk_mb_setting(default: int) -> Any:
+    """The ``pipeline_chunk_mb`` field (its default the engine's), for an engine adapter's
+    settings class to reuse."""
+    return setting(
+        "MiB of KV per step of a transfer (rounded to whole blocks, at least one): a read "
+        "uses each step as soon as it is loaded while the next ones load; a write through "
+        "host rows gathers the next step while the store writes one.",
+        default=default,
+        validator=int_in_range(1, 1 << 16),
     )
 
 
@@ -115,8 +146,10 @@ __all__ = [
     "kind_names",
     "load_yaml",
     "parse_store_config",
+    "pipeline_chunk_mb_setting",
     "store_setting",
     "wa_capacity_fraction_setting",
     "wa_dump_block_wise_setting",
     "with_config_file",
+    "zero_copy_setting",
 ]

@@ -21,10 +21,14 @@ from typing import Any
 
 import attrs
 from ucm.core import DIGEST_MODES, SliceWritePolicy, policy_from_env
-from ucm.core.config import StoreSettings, store_setting
+from ucm.core.config import (
+    StoreSettings,
+    pipeline_chunk_mb_setting,
+    store_setting,
+    zero_copy_setting,
+)
 from ucm.core.settings import (
     ConfigError,
-    boolean,
     from_dict,
     int_in_range,
     non_empty_str,
@@ -87,29 +91,14 @@ class FastDeployConfig:
         validator=_is_policy,
         metadata={"parse": _parse_policy},
     )
-    pipeline_chunk_mb: int = setting(
-        "MiB of KV per step of a read or write (rounded to whole blocks, at least one): a "
-        "staged write gathers the next step while the store writes one; a read uses each "
-        "step as soon as it is loaded.",
-        default=32,
-        validator=int_in_range(1, 1 << 16),
-    )
+    pipeline_chunk_mb: int = pipeline_chunk_mb_setting(32)
     pipeline_depth: int = setting(
         "Staged steps of one read or write in flight at once (bounds its staging memory to "
         "about pipeline_depth x pipeline_chunk_mb; blocks moved in place need none).",
         default=4,
         validator=int_in_range(1, 64),
     )
-    zero_copy: bool = setting(
-        "Where the caches allow it (CPU tensors whose blocks are contiguous, FastDeploy's "
-        "layout), the store writes and reads the cache blocks in place, with no staging "
-        "copy; where the store keeps its blocks in this host's memory (dram, scope host), "
-        "GPU caches (and CPU blocks of 1 MiB or more in other layouts) are copied straight "
-        "into and out of it, its memory registered with the GPU's driver; false stages "
-        "every block through ucm.kernels' gather/scatter.",
-        default=True,
-        validator=boolean,
-    )
+    zero_copy: bool = zero_copy_setting()
     cancel_grace_s: float = setting(
         "Seconds a timed-out or failed read or write waits for the block I/O already "
         "started, so that it returns with the store done with the caches and the stored "

@@ -12,9 +12,11 @@ from ucm.core import DIGEST_MODES, parse_cpus
 from ucm.core.config import (
     DramStoreConfig,
     StoreSettings,
+    pipeline_chunk_mb_setting,
     store_setting,
     wa_capacity_fraction_setting,
     wa_dump_block_wise_setting,
+    zero_copy_setting,
 )
 from ucm.core.settings import (
     ConfigError,
@@ -105,6 +107,8 @@ class ConnectorConfig:
         default=10.0,
         validator=positive_number,
     )
+    zero_copy: bool = zero_copy_setting()
+    pipeline_chunk_mb: int = pipeline_chunk_mb_setting(16)
     staging_mib: int = setting(
         "Host memory (MiB) kept for moving blocks between the KV cache and the store, "
         "touched (and pinned, with a GPU) at start-up so that the first load does not pay "

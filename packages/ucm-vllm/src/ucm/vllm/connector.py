@@ -117,6 +117,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 load_timeout_s=self.config.load_timeout_s,
                 staging_bytes=self.config.staging_mib << 20,
                 report_blocks=self.events_on,
+                zero_copy=self.config.zero_copy,
+                piece_bytes=self.config.pipeline_chunk_mb << 20,
             )
 
     @property

@@ -62,10 +62,6 @@ from ucm.vllm.transfers import NULL_BLOCK, Item, Report, StepPlan, Transfer
 log = logging.getLogger(__name__)
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
 
-# Sync loads are read and scattered in pieces of about this size, so that the reads of one
-# piece overlap the scatter of the previous one.
-PIECE_BYTES = 16 << 20
-
 
 @attrs.define
 class LoadJob:
@@ -88,6 +84,8 @@ class WorkerSide:
         load_timeout_s: float = 10.0,
         staging_bytes: int = 128 << 20,
         report_blocks: bool = False,
+        zero_copy: bool = True,
+        piece_bytes: int = 16 << 20,
     ) -> None:
         self.layout = layout
         # KV events (ucm.vllm.events): the blocks this rank stored or dropped, reported
@@ -102,7 +100,17 @@ class WorkerSide:
         self.caches: dict[int, Caches] = {}
         self._nbytes: dict[tuple[int, int], int] = {}
         self.loads: dict[str, LoadJob] = {}
-        self.mover = Mover(MoverSettings(staging_bytes=staging_bytes, grace_s=load_timeout_s))
+        # sync loads are read and scattered in pieces of about ``piece_bytes``, so that the
+        # reads of one piece overlap the scatter of the previous one
+        self.piece_bytes = piece_bytes
+        self.mover = Mover(
+            MoverSettings(
+                zero_copy=zero_copy,
+                step_bytes=piece_bytes,
+                grace_s=load_timeout_s,
+                staging_bytes=staging_bytes,
+            )
+        )
         self.tracker = DumpTracker()
         self.load_error_blocks: set[int] = set()
         self.delayed: list[str] = []
@@ -227,11 +235,11 @@ class WorkerSide:
                 )
 
     def _pieces(self, transfer: Transfer) -> list[Transfer]:
-        """``transfer`` cut into runs of items of about ``PIECE_BYTES``."""
+        """``transfer`` cut into runs of items of about ``piece_bytes``."""
         pieces: list[Transfer] = []
         size = 0
         for item in transfer.items:
-            if not pieces or size >= PIECE_BYTES:
+            if not pieces or size >= self.piece_bytes:
                 pieces.append(Transfer(transfer.req_id, []))
                 size = 0
             pieces[-1].items.append(item)
