@@ -8,8 +8,8 @@
  * other's copies.  See ucm/core/store/dram/sealing.py, its only caller, for the contract.
  *
  * The seal is the same xxh3-64 the xxhash package computes, over the same bytes, so blocks
- * sealed with or without this library check alike (xxh3.c: our own, SSE2 or AVX2 chosen at
- * run time on x86-64).
+ * sealed with or without this library check alike (xxh3.c: our own, SSE2, AVX2 or AVX-512
+ * chosen at run time on x86-64).
  */
 #include <stddef.h>
 #include <stdint.h>

@@ -6,8 +6,8 @@
  * last 64 bytes, mixed with secret + 121, so a stripe is accumulated here only once more
  * input is known to follow it.  Inputs of 240 bytes or less take short paths of their own.
  *
- * The stripe loop has an SSE2 form (in every x86-64) and an AVX2 form picked at run time;
- * elsewhere a portable one the compiler may vectorise. */
+ * The stripe loop has an SSE2 form (in every x86-64), and AVX2 and AVX-512 forms picked at
+ * run time; elsewhere a portable one the compiler may vectorise. */
 #include "xxh3.h"
 
 #include <string.h>
@@ -33,6 +33,9 @@
 #define SCRAMBLE_AT 128      /* secret size - 64 */
 #define LAST_STRIPE_AT 121   /* secret size - 64 - 7 */
 #define MERGE_AT 11
+/* input read ahead of the stripe being mixed, so that memory keeps up (past the end of the
+ * input a prefetch is a hint, never a fault) */
+#define PREFETCH_AHEAD 384
 
 /* the default secret, 192 bytes */
 static const uint8_t SECRET[192] = {
@@ -177,6 +180,7 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, const ui
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
     for (size_t j = 0; j < count; j++, p += STRIPE, s += 8) {
+        __builtin_prefetch(p + PREFETCH_AHEAD);
         __m256i d0 = _mm256_loadu_si256((const __m256i *)p);
         __m256i d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
         __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256((const __m256i *)s));
@@ -191,18 +195,62 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, const ui
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
 }
+
+__attribute__((target("avx2"))) static void scramble_avx2(uint64_t *acc, const uint8_t *s) {
+    const __m256i prime = _mm256_set1_epi32((int)P32_1);
+    for (int i = 0; i < 2; i++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(acc + 4 * i));
+        a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 47));
+        a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(s + 32 * i)));
+        __m256i lo = _mm256_mul_epu32(a, prime);
+        __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
+        _mm256_storeu_si256((__m256i *)(acc + 4 * i), _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32)));
+    }
+}
+
+/* all eight accumulators in one register; every stripe is one load of 64 bytes */
+__attribute__((target("avx512f"))) static void stripes_avx512(uint64_t *acc, const uint8_t *p,
+                                                              size_t count, const uint8_t *s) {
+    __m512i a = _mm512_loadu_si512((const void *)acc);
+    for (size_t j = 0; j < count; j++, p += STRIPE, s += 8) {
+        __builtin_prefetch(p + PREFETCH_AHEAD);
+        __m512i d = _mm512_loadu_si512((const void *)p);
+        __m512i k = _mm512_xor_si512(d, _mm512_loadu_si512((const void *)s));
+        __m512i m = _mm512_mul_epu32(k, _mm512_shuffle_epi32(k, (_MM_PERM_ENUM)_MM_SHUFFLE(0, 3, 0, 1)));
+        __m512i swapped = _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+        a = _mm512_add_epi64(a, _mm512_add_epi64(m, swapped));
+    }
+    _mm512_storeu_si512((void *)acc, a);
+}
+
+__attribute__((target("avx512f"))) static void scramble_avx512(uint64_t *acc, const uint8_t *s) {
+    __m512i a = _mm512_loadu_si512((const void *)acc);
+    a = _mm512_xor_si512(a, _mm512_srli_epi64(a, 47));
+    a = _mm512_xor_si512(a, _mm512_loadu_si512((const void *)s));
+    const __m512i prime = _mm512_set1_epi32((int)P32_1);
+    __m512i lo = _mm512_mul_epu32(a, prime);
+    __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+    _mm512_storeu_si512((void *)acc, _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32)));
+}
 #endif
 
 static stripes_fn stripes = stripes_portable;
 static scramble_fn scramble = scramble_portable;
 
-/* Run the stripe loop ``form`` (0 portable, 1 SSE2, 2 AVX2), or the fastest this processor
- * has where it lacks that one; returns the form chosen.  The tests check each form. */
+/* Run the stripe loop ``form`` (0 portable, 1 SSE2, 2 AVX2, 3 AVX-512), or the fastest this
+ * processor has below it; returns the form chosen.  The tests check each form. */
 __attribute__((visibility("default"))) int ucm_xxh3_choose(int form) {
+    scramble = scramble_portable;
 #ifdef UCM_X86
     __builtin_cpu_init();
+    if (form >= 3 && __builtin_cpu_supports("avx512f")) {
+        stripes = stripes_avx512;
+        scramble = scramble_avx512;
+        return 3;
+    }
     if (form >= 2 && __builtin_cpu_supports("avx2")) {
         stripes = stripes_avx2;
+        scramble = scramble_avx2;
         return 2;
     }
     if (form >= 1) {
@@ -215,7 +263,7 @@ __attribute__((visibility("default"))) int ucm_xxh3_choose(int form) {
 }
 
 /* the fastest stripe loop, chosen once when the library is loaded */
-__attribute__((constructor)) static void choose_fastest(void) { ucm_xxh3_choose(2); }
+__attribute__((constructor)) static void choose_fastest(void) { ucm_xxh3_choose(3); }
 
 /* Accumulate ``count`` whole stripes, scrambling at each block's end. */
 static void accumulate(uint64_t *acc, uint32_t *at, const uint8_t *p, size_t count) {

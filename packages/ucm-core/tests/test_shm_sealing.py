@@ -70,7 +70,7 @@ def test_blocks_move_into_slots_and_out_with_the_seal_of_their_bytes(path, offse
     assert [bytes(o) for o in outs] == blocks
 
 
-@pytest.mark.parametrize("form", [0, 1, 2], ids=["portable", "sse2", "avx2"])
+@pytest.mark.parametrize("form", [0, 1, 2, 3], ids=["portable", "sse2", "avx2", "avx512"])
 def test_the_compiled_xxh3_is_the_xxhash_packages_for_any_length_alignment_and_split(form):
     # xxh3.c is our own: bit for bit against the package over every short length, lengths
     # around each stripe (64 bytes) and block (1 KiB), random ones up to 1 MiB, at random
@@ -95,7 +95,7 @@ def test_the_compiled_xxh3_is_the_xxhash_packages_for_any_length_alignment_and_s
             checked = sealing.move_sealed_batch(None, [(0, 0)], 0, [((), slot)], into=False)
             assert (moved, checked) == ([want], [want]), (chosen, n, cuts)
     finally:
-        library.ucm_xxh3_choose(2)
+        library.ucm_xxh3_choose(3)
 
 
 def _split(view: memoryview) -> list[memoryview]:
