@@ -17,7 +17,7 @@ from ucm.core.config import PosixStoreConfig  # noqa: E402
 from ucm.core.keys import block_keys, scoped_keys  # noqa: E402
 from ucm.core.store import PosixStore  # noqa: E402
 from ucm.lab.testing.vllm.models import tiny_llama_config  # noqa: E402
-from ucm.lab.testing.vllm.scheduler import SchedulerHarness, layer_name  # noqa: E402
+from ucm.lab.testing.vllm.scheduler import SchedulerHarness, layer_name, ucm_transfer  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -60,15 +60,7 @@ def harness(tmp_path):
         cfg = tiny_llama_config()
         cfg.update(num_hidden_layers=6, compress_ratios=RATIOS)
         (model / "config.json").write_text(json.dumps(cfg))
-        transfer = {
-            "kv_connector": "UCMConnector",
-            "kv_connector_module_path": "ucm.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "store": {"kind": "posix", "path": str(tmp_path / "store")},
-                "wa_dump_block_wise": block_wise,
-            },
-        }
+        transfer = ucm_transfer(tmp_path / "store", wa_dump_block_wise=block_wise)
         return SchedulerHarness.create(
             tmp_path,
             hybrid=True,

@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 from ucm.core.config import PosixStoreConfig  # noqa: E402
 from ucm.core.keys import block_keys, scoped_keys  # noqa: E402
 from ucm.core.store import PosixStore  # noqa: E402
-from ucm.lab.testing.vllm.scheduler import SchedulerHarness  # noqa: E402
+from ucm.lab.testing.vllm.scheduler import SchedulerHarness, ucm_transfer  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -27,15 +27,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 @pytest.fixture
 def harness(tmp_path):
     def make(load_mode: str = "auto", **kw):
-        transfer = {
-            "kv_connector": "UCMConnector",
-            "kv_connector_module_path": "ucm.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "store": {"kind": "posix", "path": str(tmp_path / "store")},
-                "load_mode": load_mode,
-            },
-        }
+        transfer = ucm_transfer(tmp_path / "store", load_mode=load_mode)
         return SchedulerHarness.create(tmp_path, kv_transfer_config=transfer, **kw)
 
     return make

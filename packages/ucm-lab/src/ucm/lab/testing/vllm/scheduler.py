@@ -63,6 +63,20 @@ __all__ = [
 ]
 
 
+def ucm_transfer(store_path: str | os.PathLike[str], **extra: object) -> dict:
+    """vLLM's ``kv_transfer_config`` for UCMConnector on a posix store at ``store_path``,
+    with ``extra`` settings of the connector."""
+    return {
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "store": {"kind": "posix", "path": str(store_path)},
+            **extra,
+        },
+    }
+
+
 def layer_name(i: int) -> str:
     """vLLM's attention layer name for Llama layer ``i``."""
     return f"model.layers.{i}.self_attn.attn"
