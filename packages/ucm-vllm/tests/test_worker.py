@@ -298,8 +298,11 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "rows-only"])
 @pytest.mark.parametrize("engine_blocks", [1, 8], ids=["one-engine-block", "eight-small"])
-def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, engine_blocks):
+def test_dumps_to_host_memory_are_gathered_straight_into_the_store(
+    shm_path, engine_blocks, zero_copy
+):
     # A dram store hands out its slots (Store.open_writes): the blocks of a CPU cache are
     # gathered there and sealed by the store, with no host row, where each block is a run of
     # the cache's memory (one engine block).  Small blocks of several engine blocks go
@@ -307,6 +310,7 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     # Loads likewise: another worker (async) scatters the blocks the store lends, checked,
     # straight from its memory, or reads small ones into rows.  Either way it loads them
     # as they were dumped, and a corrupt block and every block after it are load errors.
+    # With zero_copy false every block goes through rows, and loads the same.
     from ucm.core.config import DramStoreConfig
     from ucm.core.store import SharedMemoryStore
     from ucm.lab.testing.core import flip_shared_block_byte
@@ -322,8 +326,9 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
 
     def worker(seed):
-        return worker_on(SharedMemoryStore(config), seed, layout=layout)
+        return worker_on(SharedMemoryStore(config), seed, layout=layout, zero_copy=zero_copy)
 
+    through_rows = engine_blocks > 1 or not zero_copy
     writer, stored = worker(0)
     taken = []
     take = writer.mover.pool.take
@@ -331,7 +336,7 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
     finish_dumps(writer, "cold")
     assert writer.tracker.counts.ok == 3
-    assert bool(taken) is (engine_blocks > 1)
+    assert bool(taken) is through_rows
     # dumped again (another request with the same prefix): stored already, nothing written
     writer.wait_for_save(StepPlan(dumps=[Transfer("again", items)], delayed=["again"]))
     finish_dumps(writer, "again")
@@ -351,7 +356,7 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(shm_path, eng
     while "warm" not in recving and time.monotonic() < deadline:
         recving |= reader.get_transfer_results(set())[1]
         time.sleep(0.01)
-    assert bool(taken) is (engine_blocks > 1)
+    assert bool(taken) is through_rows
     n = 2 * engine_blocks
     assert reader.take_load_errors() == {13 + n + b for b in range(engine_blocks)}
     assert torch.equal(cache[13 : 13 + n], stored[1 : 1 + n])
