@@ -136,14 +136,14 @@ def test_read_refuses_a_block_listed_twice(store_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"shard_id": 2, "shard_num": 2}, r"shard_id must be in \[0, shard_num\)"),
-        ({"shard_num": 0}, "shard_num must be an integer >= 1, got 0"),
-        ({"layer_num": -1}, "layer_num must be an integer >= 1"),
-        ({"block_token_size": 0}, "block_token_size must be an integer >= 1"),
-        ({"bytes_per_shard_layer_per_block": "1024"}, "bytes_per_shard_layer_per_block must"),
-        ({"namespace": ""}, "namespace must be a non-empty string"),
-        ({"model_version": None}, "model_version must be a non-empty string"),
-        ({"dp_id": True}, "dp_id must be an integer >= 0, got True"),
+        ({"shard_id": 2, "shard_num": 2}, r"shard_id: must be in \[0, shard_num\)"),
+        ({"shard_num": 0}, "shard_num: must be an integer >= 1, got 0"),
+        ({"layer_num": -1}, "layer_num: must be an integer >= 1"),
+        ({"block_token_size": 0}, "block_token_size: must be an integer >= 1"),
+        ({"bytes_per_shard_layer_per_block": "1024"}, "bytes_per_shard_layer_per_block: must"),
+        ({"namespace": ""}, "namespace: must be a non-empty string"),
+        ({"model_version": None}, "model_version: must be a non-empty string"),
+        ({"dp_id": True}, "dp_id: must be an integer >= 0, got True"),
     ],
 )
 def test_bad_constructor_arguments(store_path, kwargs, message):

@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 from ucm.core import Store, create_store, model_digest, write_sliced
-from ucm.core.settings import ConfigError
+from ucm.core.settings import ConfigError, int_at_least, non_empty_str
 from ucm.fastdeploy.config import FastDeployConfig, load_config
 from ucm.fastdeploy.keys import KeySpace
 from ucm.fastdeploy.residency import ResidencyIndex
@@ -53,43 +53,28 @@ SHARED_POOL = RowPool(512 << 20)
 _QUERY_BATCH = 256
 
 
-def _text(name: str) -> Any:
-    def check(_inst: object, _attr: object, value: object) -> None:
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-
-    return attrs.field(validator=check)
-
-
-def _count(name: str, low: int) -> Any:
-    def check(_inst: object, _attr: object, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-    return attrs.field(validator=check)
-
-
 @attrs.frozen
 class AttentionStoreConfig:
     """FastDeploy's constructor fields (after its AS_* environment overrides)."""
 
-    namespace: str = _text("namespace")
-    pod_name: str = _text("pod_name")
-    model_version: str = _text("model_version")
-    shard_id: int = _count("shard_id", 0)
-    shard_num: int = _count("shard_num", 1)
-    layer_num: int = _count("layer_num", 1)
-    block_token_size: int = _count("block_token_size", 1)
-    bytes_per_shard_layer_per_block: int = _count("bytes_per_shard_layer_per_block", 1)
-    device_id: int = _count("device_id", 0)
-    dp_id: int = _count("dp_id", 0)
-    splitwise_role: str = _text("splitwise_role")
+    namespace: str = attrs.field(validator=non_empty_str)
+    pod_name: str = attrs.field(validator=non_empty_str)
+    model_version: str = attrs.field(validator=non_empty_str)
+    shard_id: int = attrs.field(validator=int_at_least(0))
+    shard_num: int = attrs.field(validator=int_at_least(1))
+    layer_num: int = attrs.field(validator=int_at_least(1))
+    block_token_size: int = attrs.field(validator=int_at_least(1))
+    bytes_per_shard_layer_per_block: int = attrs.field(validator=int_at_least(1))
+    device_id: int = attrs.field(validator=int_at_least(0))
+    dp_id: int = attrs.field(validator=int_at_least(0))
+    splitwise_role: str = attrs.field(validator=non_empty_str)
 
     def __attrs_post_init__(self) -> None:
         if self.shard_id >= self.shard_num:
-            raise ValueError(
-                f"shard_id must be in [0, shard_num), got shard_id={self.shard_id} "
-                f"shard_num={self.shard_num}"
+            raise ConfigError(
+                "shard_id",
+                f"must be in [0, shard_num), got shard_id={self.shard_id} "
+                f"shard_num={self.shard_num}",
             )
 
 
