@@ -31,7 +31,7 @@ def test_dram_reuses_evicted_buffers():
     s.wait(s.dump([key(3)], [b"c" * 1000]))
     reused = s._blocks[key(3)][1]
     assert reused.obj is address[1].obj and bytes(reused) == b"c" * 1000
-    assert len(s._arena._slabs) == 1
+    assert len(s._pool._slabs) == 1
 
 
 @pytest.mark.parametrize("preallocate", [False, True])
@@ -47,7 +47,7 @@ def test_dram_mixed_sizes_under_pressure(preallocate):
         assert s.usage().bytes <= cap
         out = bytearray(size)
         assert s.wait(s.load([key(i)], [out]))[0].ok and out == bytes([i]) * size
-    assert s._arena._mapped <= cap + SLAB_BYTES
+    assert s._pool._mapped <= cap + SLAB_BYTES
 
 
 def test_dram_errors():

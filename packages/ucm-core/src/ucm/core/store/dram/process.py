@@ -1,11 +1,12 @@
 """The dram store of scope ``process``: blocks in this process's memory (private: the host
-scope, shared memory, is ``shm.py``), least recently used evicted first.
+scope, shared memory, is ``shared.py`` over the arena of ``arena.py``), least recently used
+evicted first.
 
 Copies are plain memcpy on the caller's thread (a few hundred microseconds for a 2 MiB
 block), so tasks come back already complete.
 
-Memory comes from an arena of large slabs populated when they are mapped, carved into
-blocks and recycled by size: fresh pages cost a fault and a zeroing each, which on a VM
+Memory comes from a pool of large slabs (:class:`SlabPool`) populated when they are mapped,
+carved into blocks and recycled by size: fresh pages cost a fault and a zeroing each, which on a VM
 is several times slower than the copy itself.  A full store of uniform blocks therefore
 allocates nothing; with ``preallocate`` even the first fill does not.
 """
@@ -32,7 +33,7 @@ def _map(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
 
 
-class Arena:
+class SlabPool:
     """Block-sized pieces of populated memory, recycled by size; at most ``limit`` bytes mapped."""
 
     def __init__(self, limit: int, *, preallocate: bool = False) -> None:
@@ -86,7 +87,7 @@ class DramStore(Store):
     def __init__(self, config: DramStoreConfig | None = None) -> None:
         self.config = config or DramStoreConfig()
         self._capacity = self.config.capacity_bytes
-        self._arena = Arena(self._capacity, preallocate=self.config.preallocate)
+        self._pool = SlabPool(self._capacity, preallocate=self.config.preallocate)
         self._blocks: OrderedDict[bytes, tuple[bytes, memoryview]] = OrderedDict()
         self._bytes = 0
         self._evicted = 0
@@ -110,7 +111,7 @@ class DramStore(Store):
         key, (_, old) = self._blocks.popitem(last=False)
         self._bytes -= old.nbytes
         self._evicted += 1
-        self._arena.release(old)
+        self._pool.release(old)
         if self._evictions:
             self._evictions.evicted([key])
 
@@ -130,13 +131,13 @@ class DramStore(Store):
                 return OK
             while self._bytes + size > self._capacity:
                 self._evict_one()
-            buf = self._arena.alloc(size)
+            buf = self._pool.alloc(size)
             while buf is None and self._blocks:
                 self._evict_one()
-                buf = self._arena.alloc(size)
+                buf = self._pool.alloc(size)
             if buf is None:
-                self._arena.reset()
-                buf = self._arena.alloc(size)
+                self._pool.reset()
+                buf = self._pool.alloc(size)
             if buf is None:  # pragma: no cover - the arena maps at least one block's worth
                 return KeyResult(Status.ERROR, "out of memory for the dram store")
             copy_parts(parts, buf)
@@ -180,7 +181,7 @@ class DramStore(Store):
                 entry = self._blocks.pop(bytes(key), None)
                 if entry is not None:
                     self._bytes -= entry[1].nbytes
-                    self._arena.release(entry[1])
+                    self._pool.release(entry[1])
                     removed += 1
         return removed
 
@@ -199,7 +200,7 @@ class DramStore(Store):
         with self._lock:
             self._blocks.clear()
             self._bytes = 0
-            self._arena.reset()
+            self._pool.reset()
 
 
 def _parts(payload: Payload) -> tuple[memoryview, ...] | KeyResult:
