@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from ucm.vllm.events import StoredBlocks, StoredReport, medium_of  # noqa: E402
+from ucm.vllm.plan import DROPPED, STORED  # noqa: E402
 from ucm.vllm.reports import RankReports, dropped_name  # noqa: E402
-from ucm.vllm.transfers import DROPPED, STORED  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
 

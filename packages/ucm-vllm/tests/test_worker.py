@@ -15,8 +15,8 @@ from ucm.core.config import PosixStoreConfig
 from ucm.core.keys import block_keys
 from ucm.core.store import PosixStore, Task
 from ucm.vllm.layout import GroupLayout, ModelLayout
+from ucm.vllm.plan import Item, StepPlan, Transfer
 from ucm.vllm.stores import ConnectorStores
-from ucm.vllm.transfers import Item, StepPlan, Transfer
 from ucm.vllm.worker import WorkerSide
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]

@@ -34,7 +34,7 @@ from typing import Any
 
 from ucm.core.config import StoreSettings
 from ucm.vllm.layout import ModelLayout
-from ucm.vllm.transfers import DROPPED, Item, Report
+from ucm.vllm.plan import DROPPED, Item, Report
 
 from vllm.distributed.kv_events import (
     BlockRemoved,

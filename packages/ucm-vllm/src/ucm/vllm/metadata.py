@@ -1,11 +1,11 @@
 """What the scheduler tells the workers each step (pickled across the process boundary):
-the step's plan (:class:`~ucm.vllm.transfers.StepPlan`) as vLLM's connector metadata."""
+the step's plan (:class:`~ucm.vllm.plan.StepPlan`) as vLLM's connector metadata."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucm.vllm.transfers import StepPlan
+from ucm.vllm.plan import StepPlan
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 

@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 
-from ucm.vllm.transfers import DROPPED, STORED, Report
+from ucm.vllm.plan import DROPPED, STORED, Report
 
 
 class RankReports:

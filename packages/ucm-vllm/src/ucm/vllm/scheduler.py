@@ -26,8 +26,8 @@ from ucm.vllm.counters import Counters
 from ucm.vllm.events import StoredEvents
 from ucm.vllm.layout import ModelLayout, adapter_files, adapter_identity
 from ucm.vllm.metadata import UCMConnectorMetadata
+from ucm.vllm.plan import NULL_BLOCK, Item, Transfer
 from ucm.vllm.stores import ConnectorStores
-from ucm.vllm.transfers import NULL_BLOCK, Item, Transfer
 
 log = logging.getLogger(__name__)
 

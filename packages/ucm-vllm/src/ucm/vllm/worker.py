@@ -37,7 +37,7 @@ scatter from blocks the store lends where they lie (``Store.open_reads``), check
 threads first.  Where the driver refuses the registration, both go through pinned host
 rows.
 
-This side imports no vLLM: it works on the step's plan (:mod:`ucm.vllm.transfers`) and
+This side imports no vLLM: it works on the step's plan (:mod:`ucm.vllm.plan`) and
 torch tensors, so its data path runs wherever torch does (a GPU machine without vLLM).
 """
 
@@ -55,9 +55,9 @@ from ucm.core import DumpTracker, KeyResult, Status, Store, scoped_keys, verifie
 from ucm.kernels.mover import Batch, Caches, Mover, MoverSettings, Read, Route
 from ucm.vllm.counters import Counters
 from ucm.vllm.layout import GroupLayout, ModelLayout
+from ucm.vllm.plan import NULL_BLOCK, Item, Report, StepPlan, Transfer
 from ucm.vllm.reports import RankReports, dropped_name
 from ucm.vllm.stores import ConnectorStores
-from ucm.vllm.transfers import NULL_BLOCK, Item, Report, StepPlan, Transfer
 
 log = logging.getLogger(__name__)
 LAYOUT_TAG = b"vllm-paged-kv-v1"  # in every block's header: what the payload's bytes are
