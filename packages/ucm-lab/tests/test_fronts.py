@@ -74,3 +74,66 @@ def test_the_core_imports_no_engine_and_no_torch():
         if module.split(".")[0] in engines
     ]
     assert not found, found
+
+
+def test_the_core_has_no_import_circles():
+    # every import counts, those inside functions too: a store kind's settings name their
+    # store in a string (ucm.core.store.kinds), so no settings module imports its store
+    src = PACKAGES / "ucm-core" / "src"
+    modules = {}
+    for file in src.rglob("*.py"):
+        name = ".".join(file.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = file
+    graph = {name: set() for name in modules}
+    for name, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[name] |= {m for m in found if m in modules and m != name}
+    circles = [c for c in _strongly_connected(graph) if len(c) > 1]
+    assert not circles, circles
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components of ``graph``, iteratively (no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                found.append(sorted(component))
+    return found
