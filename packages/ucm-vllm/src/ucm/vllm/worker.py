@@ -269,9 +269,12 @@ class WorkerSide:
         """
         items = job.transfer.items
         results: list[KeyResult | None] = [None] * len(items)
-        for positions, read in job.batches:  # lent blocks are copied out and given back
-            for p, result in zip(positions, self.mover.settle_read(read)):
-                results[p] = result if usable else None
+        for positions, read in job.batches:
+            if not usable:  # an earlier piece failed: nothing is copied, loans and rows end
+                self.mover.stop_read(read, 0.0)
+                continue
+            for p, result in zip(positions, self.mover.settle_read(read)):  # lent: copied out
+                results[p] = result
         all_ok = all(r is not None and r.ok for r in results)
         full = [p for p, it in enumerate(items) if self._full(it)]
         prefix = verified_prefix([results[p] for p in full], [items[p].key for p in full])

@@ -38,7 +38,7 @@ from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 from ucm.kernels.pinning import PinnedRegions, dump_into
 from ucm.kernels.segments import BlockSegments, block_segments
-from ucm.kernels.staging import HostStager, TransferHandle
+from ucm.kernels.staging import IN_PLACE_MIN_BYTES, HostStager, TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -155,15 +155,20 @@ class Mover:
         """The route of ``batch``, and its payloads as views of the caches where it moves
         in place (``cache_lent``: the store may touch the cache blocks until the transfer
         ends)."""
-        segments = self._segments(batch) if self.settings.zero_copy else None
         device = batch.caches.device.type
+        # views of the cache change the route only where the store may touch the cache or a
+        # block is small (a large one goes to the store's memory either way): a dump's
+        # batch of large blocks skips planning them
+        zero_copy = self.settings.zero_copy and not self._refused
+        views = zero_copy and device == "cpu" and (cache_lent or batch.nbytes < IN_PLACE_MIN_BYTES)
+        segments = self._segments(batch) if views else None
         ask = RouteAsk(
             device=device,
             nbytes=batch.nbytes,
             contiguous=segments is not None,
             cache_lent=cache_lent,
             registered=device == "cuda" and not self._refused and self._registered(batch.store),
-            zero_copy=self.settings.zero_copy and not self._refused,
+            zero_copy=zero_copy,
         )
         route = choose_route(ask)
         return route, segments if route is Route.IN_PLACE else None
