@@ -13,8 +13,9 @@ import pytest
 import torch
 from ucm.core.config import PosixStoreConfig
 from ucm.core.keys import block_keys
-from ucm.core.store import PosixStore, Task
+from ucm.core.store import KeyResult, PosixStore, Status, Task
 from ucm.vllm.layout import GroupLayout, ModelLayout
+from ucm.vllm.loads import blocks_used
 from ucm.vllm.plan import Item, StepPlan, Transfer
 from ucm.vllm.stores import ConnectorStores
 from ucm.vllm.worker import WorkerSide
@@ -98,6 +99,49 @@ def test_the_worker_side_runs_without_vllm():
     assert f"{2 * len(DEVICES)} passed" in done.stdout, done.stdout[-2000:]
 
 
+def test_loaded_blocks_count_as_a_prefix_over_groups_and_tails_only_when_all_loaded():
+    ok, miss = KeyResult(Status.OK), KeyResult(Status.MISS)
+    # two groups' full blocks for keys 0..2, then a window tail: key 1 failed in group 1
+    full = [True, True, True, True, True, True, False]
+    keys = [0, 1, 2, 0, 1, 2, 2]
+    results = [ok, ok, ok, ok, miss, ok, ok]
+    assert blocks_used(full, keys, results) == [True, False, False, True, False, False, False]
+    assert blocks_used(full, keys, [ok] * 7) == [True] * 7
+    # no answer is no block: nothing from that key on, and the tail goes with it
+    assert blocks_used([True, True, False], [0, 1, 1], [ok, None, ok]) == [True, False, False]
+
+
+def test_a_sync_load_keeps_pipeline_depth_pieces_in_flight(tmp_path):
+    config = PosixStoreConfig(path=str(tmp_path / "store"))
+    items = chain_items(4)
+    writer, cache = worker_on(PosixStore(config))
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)], delayed=["cold"]))
+    finish_dumps(writer, "cold")
+    block = writer.blocks.item_bytes(items[0])
+    for depth in (1, 3):
+        reader, into = worker_on(PosixStore(config), seed=1, sync_loads=True,
+                                 piece_bytes=block, pipeline_depth=depth)  # fmt: skip
+        in_flight, most = [0], [0]
+        start, finish = reader.loads._submit, reader.loads._finish
+
+        def submit(transfer, start=start, in_flight=in_flight, most=most):
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            return start(transfer)
+
+        def done(job, usable=True, finish=finish, in_flight=in_flight):
+            in_flight[0] -= 1
+            return finish(job, usable)
+
+        reader.loads._submit, reader.loads._finish = submit, done
+        reader.start_load_kv(StepPlan(loads=[Transfer("warm", items)]))
+        assert most[0] == depth and in_flight[0] == 0
+        assert reader.take_load_errors() == set()
+        assert torch.equal(into[1:33], cache[1:33])
+        reader.shutdown()
+    writer.shutdown()
+
+
 @pytest.mark.parametrize("sync_loads", [False, True], ids=["async", "sync"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_dumped_blocks_load_into_another_workers_cache(tmp_path, device, sync_loads):
@@ -169,7 +213,7 @@ def test_evictions_and_load_errors_are_counted_by_cause(tmp_path):
     writer.shutdown()
 
     store = PosixStore(config)
-    present = store.lookup(writer._keys(items))
+    present = store.lookup(writer.blocks.keys(items))
     assert present[0] is False and present[3] is True, present  # block 0 went first
     reader, _ = worker_on(store, seed=1)
     reader.start_load_kv(StepPlan(loads=[Transfer("warm", items)]))
@@ -202,7 +246,7 @@ def test_preemption_does_not_wait_for_dumps(tmp_path):
         worker.get_transfer_results(set())
         time.sleep(0.01)
     assert worker.tracker.counts.ok == 2 and worker.tracker.counts.failed == 0
-    assert inner.lookup_prefix(worker._keys(items)) == 2
+    assert inner.lookup_prefix(worker.blocks.keys(items)) == 2
     worker.shutdown()
 
 
@@ -229,7 +273,7 @@ def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_
         assert recving == set()  # reported once
         time.sleep(0.01)
     assert torch.equal(cache, before)  # nothing scattered for the aborted request
-    assert worker.loads == {}
+    assert worker.loads.jobs == {}
     worker.shutdown()
 
 
@@ -276,10 +320,10 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         writer.wait_for_save(StepPlan(dumps=[Transfer("cold", written)]))
         writer.shutdown()
         # a payload byte of the third block: its checksum no longer matches
-        flip_shared_block_byte(path, writer._keys(written[2:3])[0])
+        flip_shared_block_byte(path, writer.blocks.keys(written[2:3])[0])
 
         reader, cache = worker_of(SharedMemoryStore(config), 1)
-        assert reader.in_place
+        assert reader.loads.in_place
         before = cache.clone()
         free = reader.mover.pool.free_bytes
         reader._scatter = None  # nothing may go through host rows
@@ -292,7 +336,7 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         reader.shutdown()
 
         on_disk, _ = worker_of(PosixStore(PosixStoreConfig(path=str(tmp_path / "s"))), 2)
-        assert not on_disk.in_place  # a disk or a mount may hang: reads go through rows
+        assert not on_disk.loads.in_place  # a disk or a mount may hang: reads go through rows
         on_disk.shutdown()
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -343,7 +387,7 @@ def test_dumps_to_host_memory_are_gathered_straight_into_the_store(
     assert writer.tracker.counts.ok == 6 and not writer.tracker.counts.failed_by_status
     assert writer.stores.full.usage().blocks == 3
     writer.shutdown()
-    flip_shared_block_byte(shm_path, writer._keys(items[2:3])[0])
+    flip_shared_block_byte(shm_path, writer.blocks.keys(items[2:3])[0])
 
     reader, cache = worker(1)
     taken = []
@@ -396,7 +440,7 @@ def test_on_a_gpu_blocks_move_straight_between_the_device_and_the_host_tier(
     assert bool(taken) is (device == "cpu")  # eight small engine blocks a block: rows on a CPU
     writer.shutdown()
     assert not writer.mover.pinned  # unregistered before the store unmaps its memory
-    flip_shared_block_byte(shm_path, writer._keys(items[2:3])[0])
+    flip_shared_block_byte(shm_path, writer.blocks.keys(items[2:3])[0])
 
     reader, cache, taken = worker(1, sync_loads=sync_loads)
     before = cache.clone()
@@ -414,7 +458,7 @@ def test_on_a_gpu_blocks_move_straight_between_the_device_and_the_host_tier(
     assert reader.stats.data["loaded_blocks"] == 2
     store = reader.stores.full
     assert store._arena.stats()["pinned"] == 0  # every loan given back
-    assert store.lookup(writer._keys(items)) == [True, True, False, True]  # the bad one dropped
+    assert store.lookup(writer.blocks.keys(items)) == [True, True, False, True]  # the bad one dropped
     reader.shutdown()
 
 
@@ -466,8 +510,8 @@ def test_a_copy_out_of_lent_blocks_that_is_refused_is_a_miss_and_rows_take_over(
 
 def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path):
     """An in-place load whose read never finishes (memory swapped out, a stuck kernel):
-    the step waits ``load_timeout_s`` for the answer and as long again for the read to
-    stop, then reports the blocks as errors and stops reading into the engine's blocks."""
+    the step waits ``load_timeout_s`` for the answer and ``cancel_grace_s`` for the read
+    to stop, then reports the blocks as errors and stops reading into the engine's blocks."""
     import shutil
     import uuid
     from pathlib import Path
@@ -501,16 +545,17 @@ def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path)
 
         store = StuckStore(config)
         reader = WorkerSide(
-            layout, ConnectorStores(store, None), 1, sync_loads=True, load_timeout_s=0.5
+            layout, ConnectorStores(store, None), 1, sync_loads=True, load_timeout_s=0.5,
+            cancel_grace_s=0.5,
         )
         reader.register_kv_caches({LAYER: cache})
-        assert reader.in_place
+        assert reader.loads.in_place
         started = time.monotonic()
         loads = [Item(0, k, chain[k], [11 + k]) for k in range(2)]
         reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))
         assert time.monotonic() - started < 3  # 0.5 s for the answer, 0.5 s for the stop
         assert reader.take_load_errors() == {11, 12}
-        assert not reader.in_place  # the next loads go through host rows
+        assert not reader.loads.in_place  # the next loads go through host rows
         StuckStore.release.set()
         reader.shutdown()
     finally:

@@ -21,6 +21,7 @@ from ucm.core.settings import (
     gib_to_bytes,
     int_in_range,
     load_yaml,
+    positive_number,
     setting,
     with_config_file,
 )
@@ -84,6 +85,31 @@ def pipeline_chunk_mb_setting(default: int) -> Any:
         "host rows gathers the next step while the store writes one.",
         default=default,
         validator=int_in_range(1, 1 << 16),
+    )
+
+
+def pipeline_depth_setting(default: int) -> Any:
+    """The ``pipeline_depth`` field (its default the engine's), for an engine adapter's
+    settings class to reuse."""
+    return setting(
+        "Steps of one transfer in flight at once: while one step is used, the next ones "
+        "load (bounds the host rows a transfer holds to about pipeline_depth x "
+        "pipeline_chunk_mb; blocks moved in place need none).",
+        default=default,
+        validator=int_in_range(1, 64),
+    )
+
+
+def cancel_grace_s_setting() -> Any:
+    """The ``cancel_grace_s`` field, for an engine adapter's settings class to reuse."""
+    return setting(
+        "Seconds a timed-out or failed transfer waits for the block I/O already started, so "
+        "that it returns with the store done with the engine's caches (and, for a write, "
+        "the stored prefix exact); a block write finishing later is not published. Reads "
+        "into a CPU cache's own blocks that do not stop in time are not trusted again: "
+        "later loads go through host rows.",
+        default=2.0,
+        validator=positive_number,
     )
 
 

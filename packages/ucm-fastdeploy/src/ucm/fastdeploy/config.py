@@ -23,7 +23,9 @@ import attrs
 from ucm.core import DIGEST_MODES, SliceWritePolicy, policy_from_env
 from ucm.core.config import (
     StoreSettings,
+    cancel_grace_s_setting,
     pipeline_chunk_mb_setting,
+    pipeline_depth_setting,
     store_setting,
     zero_copy_setting,
 )
@@ -92,20 +94,9 @@ class FastDeployConfig:
         metadata={"parse": _parse_policy},
     )
     pipeline_chunk_mb: int = pipeline_chunk_mb_setting(32)
-    pipeline_depth: int = setting(
-        "Staged steps of one read or write in flight at once (bounds its staging memory to "
-        "about pipeline_depth x pipeline_chunk_mb; blocks moved in place need none).",
-        default=4,
-        validator=int_in_range(1, 64),
-    )
+    pipeline_depth: int = pipeline_depth_setting(4)
     zero_copy: bool = zero_copy_setting()
-    cancel_grace_s: float = setting(
-        "Seconds a timed-out or failed read or write waits for the block I/O already "
-        "started, so that it returns with the store done with the caches and the stored "
-        "prefix exact; a block write finishing later is not published.",
-        default=2.0,
-        validator=positive_number,
-    )
+    cancel_grace_s: float = cancel_grace_s_setting()
     residency_index_blocks: int = setting(
         "Blocks the flush_token_index residency index remembers; the least recently "
         "flushed are forgotten first.",

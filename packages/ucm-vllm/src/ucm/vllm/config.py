@@ -12,7 +12,9 @@ from ucm.core import DIGEST_MODES, parse_cpus
 from ucm.core.config import (
     DramStoreConfig,
     StoreSettings,
+    cancel_grace_s_setting,
     pipeline_chunk_mb_setting,
+    pipeline_depth_setting,
     store_setting,
     wa_capacity_fraction_setting,
     wa_dump_block_wise_setting,
@@ -109,6 +111,8 @@ class ConnectorConfig:
     )
     zero_copy: bool = zero_copy_setting()
     pipeline_chunk_mb: int = pipeline_chunk_mb_setting(16)
+    pipeline_depth: int = pipeline_depth_setting(2)
+    cancel_grace_s: float = cancel_grace_s_setting()
     staging_mib: int = setting(
         "Host memory (MiB) kept for moving blocks between the KV cache and the store, "
         "touched (and pinned, with a GPU) at start-up so that the first load does not pay "

@@ -119,6 +119,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 report_blocks=self.events_on,
                 zero_copy=self.config.zero_copy,
                 piece_bytes=self.config.pipeline_chunk_mb << 20,
+                pipeline_depth=self.config.pipeline_depth,
+                cancel_grace_s=self.config.cancel_grace_s,
             )
 
     @property

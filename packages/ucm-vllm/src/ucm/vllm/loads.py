@@ -1,0 +1,272 @@
+"""A rank's loads: stored blocks read into the paged KV cache, and vLLM's rules about them.
+
+Loads are synchronous or asynchronous (``load_mode``).  A sync load runs in
+``start_load_kv``, before the forward pass of the step that scheduled the request: the
+blocks are read in pieces of about ``pipeline_chunk_mb``, each piece's verified prefix
+scattered into the KV cache while the next ones are read (``pipeline_depth`` pieces in
+flight), and blocks that failed go to ``get_block_ids_with_load_errors`` so that vLLM
+discards the step's output for the request and recomputes from the first bad block.  An
+async load reads on the store's threads and is scattered from ``get_transfer_results``
+(between forward passes), after which vLLM schedules the request; with several KV-cache
+groups a failure fails the whole load (``failed_recving``), as vLLM maps block ids back to
+requests only for one group.
+
+Where the store only copies from host memory (``Store.reads_from_memory``: the dram store),
+the cache is on the CPU and a stored block is one engine block, a sync load reads straight
+into the engine's blocks: no host row, no scatter.  Blocks that fail are load errors like
+any other, so vLLM recomputes them over whatever the read left there; a load that times out
+is cancelled and waited for (a memory copy ends at once), so no read lands after vLLM has
+taken its blocks back.
+
+The reads, the copies out of lent blocks and the rows are the mover's
+(:mod:`ucm.kernels.mover`); this module keeps what is vLLM's: pieces and deadlines, which
+loaded blocks count for a request of several groups, what vLLM is told of failures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import attrs
+from ucm.core import KeyResult, Status, verified_prefix
+from ucm.kernels.mover import Mover, Read, Route
+from ucm.vllm.blocks import RankBlocks, positions, shape
+from ucm.vllm.counters import Counters
+from ucm.vllm.plan import NULL_BLOCK, Transfer
+from ucm.vllm.reports import RankReports, dropped_name
+from ucm.vllm.stores import ConnectorStores
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class LoadJob:
+    transfer: Transfer
+    # the mover's reads, one a store and payload size: (positions in transfer.items, read)
+    batches: list[tuple[list[int], Read]]
+    started: float
+
+    def done(self) -> bool:
+        return all(read.done() for _, read in self.batches)
+
+
+def blocks_used(
+    full: Sequence[bool], keys: Sequence[int], results: Sequence[KeyResult | None]
+) -> list[bool]:
+    """Which loaded blocks of a request count, item by item (``full``: a full-attention
+    block, else a window tail; ``keys``: its index in the token chain).
+
+    Full-attention blocks count as a prefix: a key is used only if it and every key before
+    it loaded for every group.  Window tails belong to the hit's last boundary: they are
+    used only if everything loaded."""
+    if all(r is not None and r.ok for r in results):
+        return [True] * len(results)
+    fulls = [p for p, f in enumerate(full) if f]
+    prefix = verified_prefix([results[p] for p in fulls], [keys[p] for p in fulls])
+    return [f and k < prefix for f, k in zip(full, keys)]
+
+
+class Loads:
+    """This rank's loads, sync or async, and the blocks vLLM must recompute."""
+
+    def __init__(
+        self,
+        blocks: RankBlocks,
+        stores: ConnectorStores | None,
+        mover: Mover,
+        stats: Counters,
+        reports: RankReports | None,
+        *,
+        sync: bool,
+        single_group: bool,
+        timeout_s: float,
+    ) -> None:
+        self.blocks = blocks
+        self.stores = stores
+        self.mover = mover
+        self.stats = stats
+        self.reports = reports  # None: KV events are off
+        self.sync = sync
+        self.single_group = single_group
+        self.timeout_s = timeout_s
+        # pieces of a sync load: their size, how many in flight, the grace of a late one
+        self.piece_bytes = mover.settings.step_bytes
+        self.depth = mover.settings.depth
+        self.grace_s = mover.settings.grace_s
+        self.jobs: dict[str, LoadJob] = {}  # async loads in flight, by request
+        self.error_blocks: set[int] = set()
+        # sync loads read straight into the cache (see on_caches): the store then writes
+        # the engine's blocks, so only one whose reads stop at once when cancelled
+        self.in_place = False
+
+    def on_caches(self) -> None:
+        """The caches are registered: decide whether sync loads read in place."""
+        self.in_place = (
+            self.sync
+            and self.single_group
+            and self.blocks.device.type == "cpu"
+            and self.stores is not None
+            and self.stores.full.reads_from_memory
+        )
+
+    def start(self, transfers: list[Transfer]) -> None:
+        """Async loads start; sync ones run to the end (scattered, or load errors)."""
+        if not self.sync:
+            for transfer in transfers:
+                self.jobs[transfer.req_id] = self._submit(transfer)
+            return
+        if not transfers:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        pieces = [p for t in transfers for p in self._pieces(t)]
+        failed: set[str] = set()  # requests with a failed block: nothing after it is used
+        ahead = [self._submit(p) for p in pieces[: self.depth]]
+        for i in range(len(pieces)):
+            job = ahead.pop(0)
+            for _, read in job.batches:
+                if read.task is not None:
+                    try:
+                        read.task.wait(max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        pass
+            if not job.done():
+                log.warning(
+                    "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
+                    job.transfer.req_id,
+                    self.timeout_s,
+                )
+                self._stop_late(job)
+            usable = job.transfer.req_id not in failed
+            if not self._finish(job, usable) and usable:
+                failed.add(job.transfer.req_id)
+            if i + self.depth < len(pieces):  # into the rows this piece gave back
+                ahead.append(self._submit(pieces[i + self.depth]))
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Async loads done or dropped since the last call: (received, failed)."""
+        recving, failed = set(), set()
+        for req_id in finished_req_ids:
+            job = self.jobs.pop(req_id, None)
+            if job is not None:
+                # Aborted while loading: nothing is scattered, so its engine blocks are free
+                # to go, and vLLM holds them (and the request) until it is reported.  Rows
+                # go back once the store lets go of them, loans once their checks end.
+                for _, read in job.batches:
+                    self.mover.stop_read(read, 0.0)
+                recving.add(req_id)
+        for req_id, job in list(self.jobs.items()):
+            if not job.done():
+                continue
+            del self.jobs[req_id]
+            recving.add(req_id)
+            if not self._finish(job) and not self.single_group:
+                # vLLM takes per-block errors only for single-group models; otherwise the
+                # request is recomputed from its local prefix.
+                failed.add(req_id)
+        return recving, failed
+
+    def take_errors(self) -> set[int]:
+        errors, self.error_blocks = self.error_blocks, set()
+        # vLLM maps block ids back to requests only for single-group models; the others
+        # report failed requests (failed_recving) instead.
+        return errors if self.single_group else set()
+
+    def _stop_late(self, job: LoadJob) -> None:
+        """Stop the reads of a late load.  Reads into rows or out of lent blocks are left
+        (the rows go back once the store lets go of them); reads into the engine's blocks
+        are waited for, since none may land once vLLM has the blocks back: a store that
+        reads from memory stops at once, and one whose reads do not stop within
+        ``cancel_grace_s`` is no longer trusted with them (later loads go through rows)."""
+        for _, read in job.batches:
+            if read.done():
+                continue
+            in_place = read.route is Route.IN_PLACE
+            quiet = self.mover.stop_read(read, self.grace_s if in_place else 0.0)
+            if not quiet and in_place and self.in_place:
+                self.in_place = False
+                log.error(
+                    "ucm: request %s: reads into the engine's blocks did not stop in "
+                    "%.1f s (cancel_grace_s); from now on loads go through host rows",
+                    job.transfer.req_id,
+                    self.grace_s,
+                )
+
+    def _pieces(self, transfer: Transfer) -> list[Transfer]:
+        """``transfer`` cut into runs of items of about ``piece_bytes``."""
+        pieces: list[Transfer] = []
+        size = 0
+        for item in transfer.items:
+            if not pieces or size >= self.piece_bytes:
+                pieces.append(Transfer(transfer.req_id, []))
+                size = 0
+            pieces[-1].items.append(item)
+            size += self.blocks.item_bytes(item)
+        return pieces
+
+    def _submit(self, transfer: Transfer) -> LoadJob:
+        """The mover's reads of ``transfer``, one a store and payload size."""
+        job = LoadJob(transfer, [], time.perf_counter())
+        if self.stores is None:
+            return job
+        items, stores = transfer.items, self.stores
+        batches = positions(items, lambda it: (stores.of(self.blocks.group(it)), shape(it)))
+        for (store, (group, _)), where in batches.items():
+            batch = self.blocks.batch(store, group, [items[p] for p in where])
+            job.batches.append((where, self.mover.start_read(batch, cache_lent=self.in_place)))
+        return job
+
+    def _finish(self, job: LoadJob, usable: bool = True) -> bool:
+        """Scatter what can be used (see :func:`blocks_used`); True when every block
+        loaded.  ``usable=False``: an earlier piece of the request failed, so none of these
+        count."""
+        items = job.transfer.items
+        results: list[KeyResult | None] = [None] * len(items)
+        for where, read in job.batches:
+            if not usable:  # an earlier piece failed: nothing is copied, loans and rows end
+                self.mover.stop_read(read, 0.0)
+                continue
+            for p, result in zip(where, self.mover.settle_read(read)):  # lent: copied out
+                results[p] = result
+        use = blocks_used([self.blocks.full(it) for it in items], [it.key for it in items],
+                          results)  # fmt: skip
+        for where, read in job.batches:  # from our rows; the rows go back
+            self.mover.complete_read(read, [use[p] for p in where])
+        all_ok = all(r is not None and r.ok for r in results)
+        if not all_ok:
+            problems = {r.detail or r.status.value for r in results if r and not r.ok} or {
+                "store unavailable" if usable else "an earlier block failed"
+            }
+            log.warning(
+                "ucm: request %s: %d of %d blocks failed to load, vLLM recomputes them (%s)",
+                job.transfer.req_id,
+                use.count(False),
+                len(items),
+                "; ".join(sorted(problems)),
+            )
+            for item, used in zip(items, use):
+                if not used:
+                    self.error_blocks.update(b for b in item.block_ids if b != NULL_BLOCK)
+        self.stats.add(
+            loaded_blocks=use.count(True),
+            loaded_bytes=sum(self.blocks.item_bytes(it) for it, u in zip(items, use) if u),
+            load_seconds=time.perf_counter() - job.started,
+        )
+        for result, used in zip(results, use):
+            if not used:
+                self.stats.add_cause("load_errors", _load_error_cause(result, usable))
+        if self.reports is not None:  # a corrupt block is dropped from the store by its reader
+            self.reports.dropped(
+                [dropped_name(it.group, it.chain_key) for it, r in zip(items, results)
+                 if r is not None and r.status is Status.CORRUPT]
+            )  # fmt: skip
+        return all_ok
+
+
+def _load_error_cause(result: KeyResult | None, usable: bool) -> str:
+    """Why a block was not loaded: the store's answer, none in time (or no store), or an
+    earlier block of the request failed (a hit is a prefix)."""
+    if result is not None and not result.ok:
+        return result.status.value
+    return "no_answer" if result is None and usable else "after_failed"
