@@ -160,22 +160,62 @@ def test_same_weights_at_another_path_hit(
     assert run["metrics"].get("vllm:ucm_load_errors", 0) == 0
 
 
-def test_weights_rewritten_in_place_never_hit(cold, tiny_model, prompts, store_dir, tmp_path):
+@pytest.fixture(scope="module")
+def new_weights(tiny_model, prompts, tmp_path_factory):
+    """Other weights of the same model (config, shapes, file sizes), and vLLM alone on
+    ``prompts`` with them."""
+    from ucm.lab.testing.vllm.models import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("new_weights") / "tiny_llama", seed=1)
+    return str(path), run_engine({"model": str(path), "prompts": prompts})
+
+
+def test_weights_rewritten_in_place_never_hit(
+    cold, tiny_model, prompts, store_dir, tmp_path, new_weights
+):
     # New weights written over the path whose blocks are stored (the same config, shapes
     # and file sizes): no block of the old weights is loaded, and the outputs are those of
     # the new weights without the connector.
     import shutil
 
-    from ucm.lab.testing.vllm.models import make_tiny_llama
-
+    new_path, new_reference = new_weights
     path = tmp_path / "model"
     shutil.copytree(tiny_model, path)
     store = {"kind": "posix", "path": store_dir}
     before = run_engine({"model": str(path), "prompts": prompts[:1], "store": store})
     assert before["metrics"]["vllm:ucm_loaded_blocks"] >= 4  # the copy hits, as above
-    make_tiny_llama(path, seed=1)
-    new_reference = run_engine({"model": str(path), "prompts": prompts})
+    for name in ("model.safetensors", "config.json"):
+        shutil.copyfile(Path(new_path) / name, path / name)
     run = run_engine({"model": str(path), "prompts": prompts, "store": store})
     assert_same_outputs(new_reference, run)
     assert run["metrics"].get("vllm:ucm_loaded_blocks", 0) == 0
     assert run["metrics"].get("vllm:ucm_lookup_hit_tokens", 0) == 0
+
+
+def test_weights_reloaded_into_a_running_engine_and_a_reset_load_no_older_block(
+    tiny_model, prompts, tmp_path, new_weights
+):
+    """A reinforcement-learning loop: an engine serves, its weights are replaced in place
+    (``reload_weights``: the same path, so the same identity UCM computed at start-up) and
+    vLLM's prefix cache is reset with the connector's.  No block stored before the reset is
+    loaded: the outputs are those of the new weights without the connector.  Without the
+    connector's reset the engine loads the old weights' blocks (docs/vllm.md says so)."""
+    new_path, new_reference = new_weights
+    spec = {
+        "model": tiny_model,
+        "prompts": prompts[:1] + prompts,  # the first with the old weights: stored
+        "store": {"kind": "posix", "path": str(tmp_path / "store")},
+        "reload_before": 1,
+        "weights_path": new_path,
+    }
+    run = run_engine(spec)
+    assert run["resets"] == [[True, True]]
+    assert run["outputs"][1]["num_cached_tokens"] == 0  # the same prompt: nothing loaded
+    assert_same_outputs(new_reference, {**run, "outputs": run["outputs"][1:]})
+
+    stale = run_engine(
+        {**spec, "prompts": prompts[:1] * 2, "reset_connector": False,
+         "store": {"kind": "posix", "path": str(tmp_path / "other")}}
+    )  # fmt: skip
+    assert stale["outputs"][1]["num_cached_tokens"] > 0  # the old weights' blocks
+    assert stale["outputs"][1]["logprobs"] != new_reference["outputs"][0]["logprobs"]

@@ -443,3 +443,71 @@ def test_prompt_embeddings_are_not_stored(harness):
     req = h.make_request(prompt(600), prompt_embeds=torch.zeros(600, 8))
     assert h.connector.get_num_new_matched_tokens(req, 0) == (0, False)
     assert h.connector.scheduler._state(req).chain == []
+
+
+def test_after_a_reset_with_the_connectors_no_block_stored_before_is_looked_up(harness):
+    # weights updated in place keep the identity computed at start-up: the reset moves this
+    # engine's keys to a new epoch, so the prompt stored before is a miss, and what the
+    # engine computes now is dumped under the new keys and hits
+    h = harness(max_num_batched_tokens=2048)
+    tokens = prompt(1100)
+    store_blocks(h, tokens, 4)
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)
+    first = h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    assert meta(so).loads == [] and meta(so).reset == "forget"
+    assert [span(t) for t in meta(so).dumps] == [(0, 4)]
+    epoch = h.connector.scheduler.epoch
+    assert (
+        epoch
+        and h.connector.scheduler._state(first).chain[0]
+        != block_keys(h.connector.scheduler.layout.chain_namespace(None), tokens, BT)[0]
+    )
+    drain(h)
+    store_request(h, h.make_request(tokens), 4)  # the new epoch's blocks, as the workers write
+    h.scheduler.reset_prefix_cache()  # vLLM's own cache only: ours still holds them
+    h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).loads] == [(0, 4)] and meta(so).reset == ""
+
+
+def test_a_request_computed_before_a_reset_dumps_nothing_after_it(harness):
+    h = harness(max_num_batched_tokens=256)
+    req = h.add_request(prompt(1100), max_tokens=2)
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).dumps] == [(0, 1)]
+    h.connector.reset_cache()  # as vLLM calls it, with the request running
+    dumps = []
+    for _ in range(50):
+        if req.is_finished():
+            break
+        so, _ = h.step()
+        dumps += meta(so).dumps
+    assert req.is_finished() and dumps == []  # its KV may be of the old weights
+
+
+def test_an_async_load_in_flight_at_a_reset_is_failed_by_the_workers(harness):
+    h = harness(load_mode="async")
+    tokens = prompt(1100)
+    store_blocks(h, tokens, 4)
+    req = h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).loads] == [(0, 4)]
+    h.connector.reset_cache()
+    so, _ = h.step()
+    assert meta(so).reset == "forget" and meta(so).reset_loads == [req.request_id]
+
+
+@pytest.mark.parametrize("on_reset", ["keep", "remove"])
+def test_on_reset_keep_changes_nothing_and_remove_tells_the_workers(tmp_path, on_reset):
+    transfer = ucm_transfer(tmp_path / "store", on_reset=on_reset)
+    h = SchedulerHarness.create(tmp_path, kv_transfer_config=transfer)
+    tokens = prompt(1100)
+    store_blocks(h, tokens, 4)
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)
+    h.add_request(tokens, max_tokens=1)
+    so, _ = h.step()
+    if on_reset == "keep":
+        assert [span(t) for t in meta(so).loads] == [(0, 4)] and meta(so).reset == ""
+    else:
+        assert meta(so).loads == [] and meta(so).reset == "remove"

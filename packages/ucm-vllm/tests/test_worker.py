@@ -277,6 +277,47 @@ def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_
     worker.shutdown()
 
 
+def test_an_async_load_planned_before_a_reset_is_failed_and_nothing_scattered(tmp_path):
+    # what it reads may be KV of the old weights: vLLM recomputes its blocks
+    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
+    items = chain_items(2)
+    writer, cache = worker_on(inner)
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
+    writer.shutdown()
+    gate = threading.Event()
+    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
+    before = cache.clone()
+    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
+    worker.start_load_kv(StepPlan(reset="forget", reset_loads=["a"]))
+    _, recving, failed = worker.get_transfer_results(set())
+    assert recving == {"a"} and failed == set()  # one group: its blocks are load errors
+    assert worker.take_load_errors() == {b for it in items for b in it.block_ids}
+    gate.set()
+    assert torch.equal(cache, before)
+    assert worker.stats.take()["load_errors:reset"] == 2
+    worker.shutdown()
+
+
+def test_on_reset_remove_removes_what_this_rank_stored_once_its_dumps_end(tmp_path):
+    config = PosixStoreConfig(path=str(tmp_path / "store"))
+    other = chain_items(4)[3:]  # stored by another engine: stays
+    keep, _ = worker_on(PosixStore(config))
+    keep.wait_for_save(StepPlan(dumps=[Transfer("other", other)]))
+    keep.shutdown()
+    worker, _ = worker_on(PosixStore(config), remember_stored=True)
+    items = chain_items(3)
+    worker.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
+    worker.start_load_kv(StepPlan(reset="remove"))
+    store = PosixStore(config)
+    deadline = time.monotonic() + 30
+    while any(store.lookup(worker.blocks.keys(items))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.lookup(worker.blocks.keys(items + other)) == [False] * 3 + [True]
+    assert worker.stored == {}
+    worker.shutdown()
+    store.close()
+
+
 def test_a_store_that_cannot_hold_one_block_is_refused_at_registration():
     # A 256-token store block of this cache is 8 engine blocks x 2 x 32 x 128 x 2 bytes
     # = 128 KiB: a 64 KiB DRAM store could never hit, and the engine must not start on it.
@@ -458,7 +499,8 @@ def test_on_a_gpu_blocks_move_straight_between_the_device_and_the_host_tier(
     assert reader.stats.data["loaded_blocks"] == 2
     store = reader.stores.full
     assert store._arena.stats()["pinned"] == 0  # every loan given back
-    assert store.lookup(writer.blocks.keys(items)) == [True, True, False, True]  # the bad one dropped
+    # the bad one dropped
+    assert store.lookup(writer.blocks.keys(items)) == [True, True, False, True]
     reader.shutdown()
 
 
@@ -545,7 +587,11 @@ def test_a_stuck_read_into_the_cache_holds_the_step_for_a_bounded_time(tmp_path)
 
         store = StuckStore(config)
         reader = WorkerSide(
-            layout, ConnectorStores(store, None), 1, sync_loads=True, load_timeout_s=0.5,
+            layout,
+            ConnectorStores(store, None),
+            1,
+            sync_loads=True,
+            load_timeout_s=0.5,
             cancel_grace_s=0.5,
         )
         reader.register_kv_caches({LAYER: cache})

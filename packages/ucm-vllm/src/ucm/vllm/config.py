@@ -134,6 +134,19 @@ class ConnectorConfig:
     )
     wa_dump_block_wise: bool = wa_dump_block_wise_setting()
     wa_capacity_fraction: float = wa_capacity_fraction_setting()
+    on_reset: str = setting(
+        "What a reset of vLLM's prefix cache with the connector's does to UCM "
+        "(``reset_prefix_cache(reset_connector=True)``: after weights are updated in "
+        "place, on ``sleep``, ``pause_scheduler(clear_cache=True)``, ``POST "
+        "/reset_prefix_cache?reset_external=true``). ``forget``: this engine never loads a "
+        "block stored before the reset (its keys move to a new epoch); the blocks stay for "
+        "the other engines sharing the store. ``remove``: forget, and each rank removes "
+        "the blocks it stored since the engine started or last reset, at the next step "
+        "(for a store no other engine reads). ``keep``: nothing changes (for weights that "
+        "never change in place: a sleeping engine wakes to its stored blocks).",
+        default="forget",
+        validator=one_of("forget", "remove", "keep"),
+    )
     recompute_on_load_error: bool = setting(
         "Make vLLM recompute blocks that fail to load (sets kv_load_failure_policy to "
         "'recompute'); false keeps vLLM's policy, which by default fails the request.",

@@ -107,6 +107,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 if self.events_on
                 else None,
+                on_reset=self.config.on_reset,
             )
         else:
             self.worker = WorkerSide(
@@ -121,6 +122,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 piece_bytes=self.config.pipeline_chunk_mb << 20,
                 pipeline_depth=self.config.pipeline_depth,
                 cancel_grace_s=self.config.cancel_grace_s,
+                remember_stored=self.config.on_reset == "remove",
             )
 
     @property
@@ -153,6 +155,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(g.index for g in self.layout.groups)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().sent(connector_output.finished_sending or ())
         report = connector_output.kv_cache_events
         events = self._sched().events
         if events is not None and isinstance(report, StoredReport):
@@ -164,6 +167,19 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
+
+    def has_pending_block_frees(self) -> bool:
+        # finished requests' blocks come back once their dumps end: wait, do not preempt
+        return self._sched().frees_pending()
+
+    def has_pending_push_work(self) -> bool:
+        # keep stepping while idle until the workers report those dumps done
+        return self._sched().steps_needed()
+
+    def reset_cache(self) -> bool:
+        # vLLM's reset_prefix_cache(reset_connector=True): weights updated in place, sleep,
+        # pause_scheduler(clear_cache=True), POST /reset_prefix_cache?reset_external=true
+        return self._sched().reset()
 
     def request_finished(
         self, request: Any, block_ids: list[int]

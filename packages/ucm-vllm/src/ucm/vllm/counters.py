@@ -31,8 +31,17 @@ COUNTERS = {
 #: counters counted by cause -> the causes
 CAUSES = {
     # a store's result (miss, corrupt, error, cancelled), no answer within load_timeout_s
-    # or no store, or a block after one that failed (a hit is a prefix)
-    "load_errors": ("miss", "corrupt", "error", "cancelled", "no_answer", "after_failed"),
+    # or no store, a block after one that failed (a hit is a prefix), or an async load
+    # planned before vLLM reset its prefix cache
+    "load_errors": (
+        "miss",
+        "corrupt",
+        "error",
+        "cancelled",
+        "no_answer",
+        "after_failed",
+        "reset",
+    ),
     # a store's result, or the store refused the batch outright
     "dump_errors": ("error", "cancelled", "unavailable"),
 }

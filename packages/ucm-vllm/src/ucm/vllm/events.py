@@ -138,6 +138,13 @@ class StoredBlocks:
         ready, self._ready = self._ready, []
         return ready
 
+    def forget_all(self) -> None:
+        """The engine no longer loads any block stored so far (a reset): every block
+        announced is announced removed, and the reports still expected are ignored."""
+        self._ready.extend(self._removable.values())
+        self._removable.clear()
+        self._pending.clear()
+
     @property
     def pending(self) -> int:
         return len(self._pending)

@@ -85,10 +85,15 @@ class ModelLayout:
         tails = self.hybrid.tail_groups
         return tuple(g for g in self.groups if g.kind == "full" or g.index in tails)
 
-    def chain_namespace(self, cache_salt: str | None, adapter: str = "") -> Namespace:
+    def chain_namespace(
+        self, cache_salt: str | None, adapter: str = "", epoch: str = ""
+    ) -> Namespace:
         """Seeds the token chain shared by every group and rank of one request; ``adapter``
-        names the request's LoRA adapter (:func:`adapter_identity`), if any."""
+        names the request's LoRA adapter (:func:`adapter_identity`), if any; ``epoch``,
+        the engine's epoch since its last reset of the prefix cache, if any."""
         model = f"{self.fingerprint}|adapter:{adapter}" if adapter else self.fingerprint
+        if epoch:
+            model = f"{model}|epoch:{epoch}"
         return Namespace(model=model, layout="vllm-token-chain", cache_salt=cache_salt or "")
 
     def scope(self, group: GroupLayout, rank: int) -> bytes:

@@ -47,6 +47,9 @@ class LoadJob:
     # the mover's reads, one a store and payload size: (positions in transfer.items, read)
     batches: list[tuple[list[int], Read]]
     started: float
+    # why none of its blocks count, whatever the store answers: an earlier piece of the
+    # request failed ("after_failed"), vLLM reset its prefix cache ("reset"); "": they may
+    failed: str = ""
 
     def done(self) -> bool:
         return all(read.done() for _, read in self.batches)
@@ -138,11 +141,20 @@ class Loads:
                     self.timeout_s,
                 )
                 self._stop_late(job)
-            usable = job.transfer.req_id not in failed
-            if not self._finish(job, usable) and usable:
+            if job.transfer.req_id in failed:
+                job.failed = "after_failed"
+            if not self._finish(job) and not job.failed:
                 failed.add(job.transfer.req_id)
             if i + self.depth < len(pieces):  # into the rows this piece gave back
                 ahead.append(self._submit(pieces[i + self.depth]))
+
+    def fail(self, req_ids: list[str]) -> None:
+        """Async loads planned before vLLM reset its prefix cache: what they read may be
+        KV of other weights, so none of it is used (vLLM recomputes the blocks)."""
+        for req_id in req_ids:
+            job = self.jobs.get(req_id)
+            if job is not None:
+                job.failed = "reset"
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Async loads done or dropped since the last call: (received, failed)."""
@@ -157,7 +169,7 @@ class Loads:
                     self.mover.stop_read(read, 0.0)
                 recving.add(req_id)
         for req_id, job in list(self.jobs.items()):
-            if not job.done():
+            if not (job.failed or job.done()):
                 continue
             del self.jobs[req_id]
             recving.add(req_id)
@@ -217,14 +229,13 @@ class Loads:
             job.batches.append((where, self.mover.start_read(batch, cache_lent=self.in_place)))
         return job
 
-    def _finish(self, job: LoadJob, usable: bool = True) -> bool:
-        """Scatter what can be used (see :func:`blocks_used`); True when every block
-        loaded.  ``usable=False``: an earlier piece of the request failed, so none of these
-        count."""
+    def _finish(self, job: LoadJob) -> bool:
+        """Scatter what can be used (see :func:`blocks_used`; none where ``job.failed``);
+        True when every block loaded."""
         items = job.transfer.items
         results: list[KeyResult | None] = [None] * len(items)
         for where, read in job.batches:
-            if not usable:  # an earlier piece failed: nothing is copied, loans and rows end
+            if job.failed:  # nothing is copied; loans and rows end
                 self.mover.stop_read(read, 0.0)
                 continue
             for p, result in zip(where, self.mover.settle_read(read)):  # lent: copied out
@@ -236,7 +247,7 @@ class Loads:
         all_ok = all(r is not None and r.ok for r in results)
         if not all_ok:
             problems = {r.detail or r.status.value for r in results if r and not r.ok} or {
-                "store unavailable" if usable else "an earlier block failed"
+                _FAILED.get(job.failed, "store unavailable")
             }
             log.warning(
                 "ucm: request %s: %d of %d blocks failed to load, vLLM recomputes them (%s)",
@@ -255,7 +266,7 @@ class Loads:
         )
         for result, used in zip(results, use):
             if not used:
-                self.stats.add_cause("load_errors", _load_error_cause(result, usable))
+                self.stats.add_cause("load_errors", _load_error_cause(result, job.failed))
         if self.reports is not None:  # a corrupt block is dropped from the store by its reader
             self.reports.dropped(
                 [dropped_name(it.group, it.chain_key) for it, r in zip(items, results)
@@ -264,9 +275,18 @@ class Loads:
         return all_ok
 
 
-def _load_error_cause(result: KeyResult | None, usable: bool) -> str:
-    """Why a block was not loaded: the store's answer, none in time (or no store), or an
-    earlier block of the request failed (a hit is a prefix)."""
+_FAILED = {
+    "after_failed": "an earlier block failed",
+    "reset": "planned before a reset of the prefix cache",
+}
+
+
+def _load_error_cause(result: KeyResult | None, failed: str) -> str:
+    """Why a block was not loaded: the store's answer, none in time (or no store), an
+    earlier block of the request failed (a hit is a prefix), or it was planned before a
+    reset of the prefix cache."""
     if result is not None and not result.ok:
         return result.status.value
-    return "no_answer" if result is None and usable else "after_failed"
+    if failed:
+        return failed
+    return "no_answer" if result is None else "after_failed"

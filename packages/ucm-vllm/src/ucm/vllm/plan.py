@@ -54,3 +54,8 @@ class StepPlan:
     # requests whose blocks vLLM keeps until the workers report their dumps done
     delayed: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # vLLM reset its prefix cache with the connector's since the last step (``on_reset``:
+    # "forget" or "remove"; "" for none): async loads of these requests, planned before it,
+    # fail (vLLM recomputes them), and with "remove" each rank removes what it stored
+    reset: str = ""
+    reset_loads: list[str] = field(default_factory=list)

@@ -9,6 +9,9 @@ window groups add their tail at block boundaries.
 from __future__ import annotations
 
 import logging
+import secrets
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -31,6 +34,10 @@ from ucm.vllm.stores import ConnectorStores
 
 log = logging.getLogger(__name__)
 
+#: how long a finished request whose dumps are not reported done keeps an idle engine
+#: stepping (each step asks the workers again)
+HOLD_STEPS_S = 120.0
+
 
 @attrs.define
 class RequestState:
@@ -45,6 +52,9 @@ class RequestState:
     load_step: bool = False  # scheduled with a sync load this step: no dumps planned in it
     load_failed: bool = False  # a load of this request failed: it is not loaded again
     counted: bool = False  # its lookup is counted (vLLM may ask again while it waits)
+    # computed (or loading) when vLLM reset its prefix cache: its KV may be of other
+    # weights, so nothing more of it is loaded or dumped
+    stale: bool = False
 
     def settle_load(self, computed: int, block_tokens: int) -> None:
         """Check the last planned load against the tokens vLLM counts as computed.  Short of
@@ -66,6 +76,7 @@ class SchedulerSide:
         weights_digest: str = "sampled",
         loads: bool = True,
         events: StoredEvents | None = None,
+        on_reset: str = "forget",
     ) -> None:
         self.layout = layout
         self.loads = loads  # False: the engine cannot compute on loaded KV (what is found is
@@ -85,6 +96,15 @@ class SchedulerSide:
         self.delayed: list[str] = []
         self.stats = Counters()
         self.events = events
+        self.on_reset = on_reset
+        # "" until vLLM resets its prefix cache with ours; then a fresh random epoch in
+        # every chain key: blocks stored before are never found again by this engine
+        self.epoch = ""
+        self.reset_pending = ""  # the reset the next step plan tells the workers of
+        self.reset_loads: list[str] = []
+        # finished requests whose blocks vLLM keeps until their dumps are reported done,
+        # and since when
+        self.held: dict[str, float] = {}
 
     # -- keys and lookups --
 
@@ -111,9 +131,9 @@ class SchedulerSide:
         if state is None:
             state = RequestState(request)
             self.requests[request.request_id] = state
-        if not state.chain and self._cacheable(request):
+        if not state.chain and not state.stale and self._cacheable(request):
             ns = self.layout.chain_namespace(
-                getattr(request, "cache_salt", None), self._adapter(request)
+                getattr(request, "cache_salt", None), self._adapter(request), self.epoch
             )
             tokens = list(request.prompt_token_ids)
             bt = self.layout.block_tokens
@@ -155,6 +175,35 @@ class SchedulerSide:
                 stored[floor:] = [a and b for a, b in zip(stored[floor:], present)]
             wa_stored[g] = stored
         return usable_hit(hybrid, found, wa_stored, floor=floor), found
+
+    def reset(self) -> bool:
+        """vLLM reset its prefix cache with ours (weights updated in place, sleep, the
+        reset endpoint): with ``forget`` and ``remove``, this engine never loads a block
+        stored before (its chain keys move to a new epoch).  A request already computed,
+        or with a load under way, holds KV that may be of the old weights: none of it is
+        dumped, and an async load in flight fails (vLLM recomputes it); a request still
+        waiting starts over under the new epoch.  True: vLLM counts the reset done."""
+        if self.on_reset == "keep" or not self.enabled:
+            return True
+        self.epoch = secrets.token_hex(8)
+        for req_id, state in self.requests.items():
+            if state.loaded_to or state.request.num_computed_tokens > 0:
+                if state.loaded_to and not self.sync_loads:
+                    self.reset_loads.append(req_id)
+                state.stale, state.chain, state.hit = True, [], 0
+            else:  # nothing computed yet: looked up again, under the new epoch
+                self.requests[req_id] = RequestState(
+                    state.request, dumped=state.dumped, counted=state.counted
+                )
+        self.reset_pending = self.on_reset
+        if self.events is not None:
+            self.events.blocks.forget_all()
+        log.info(
+            "ucm: vLLM reset its prefix cache: blocks stored before are no longer loaded "
+            "by this engine (on_reset: %s)",
+            self.on_reset,
+        )
+        return True
 
     # -- vLLM hooks --
 
@@ -232,9 +281,14 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
         meta = UCMConnectorMetadata(
-            loads=self.pending_loads, dumps=self.pending_dumps, delayed=self.delayed
+            loads=self.pending_loads,
+            dumps=self.pending_dumps,
+            delayed=self.delayed,
+            reset=self.reset_pending,
+            reset_loads=self.reset_loads,
         )
         self.pending_loads, self.pending_dumps, self.delayed = [], [], []
+        self.reset_pending, self.reset_loads = "", []
         meta.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if not self.enabled:
             return meta
@@ -299,7 +353,28 @@ class SchedulerSide:
             return False, None
         # The workers report the request in finished_sending once its dumps are done.
         self.delayed.append(request.request_id)
+        self.held[request.request_id] = time.monotonic()
         return True, None
+
+    def sent(self, req_ids: Iterable[str]) -> None:
+        """The workers reported these requests' dumps done: vLLM frees their blocks."""
+        for req_id in req_ids:
+            self.held.pop(req_id, None)
+
+    def frees_pending(self) -> bool:
+        """Whether blocks of finished requests come back once their dumps end: vLLM then
+        waits for them rather than preempting a running request."""
+        return bool(self.held)
+
+    def steps_needed(self) -> bool:
+        """Whether vLLM should keep stepping with no request: the workers report dumps
+        done only in a step, and until they do, vLLM holds the blocks (a reset of its
+        prefix cache fails meanwhile).  Bounded: a request held past ``HOLD_STEPS_S`` (a
+        store that never ends its writes) no longer keeps an idle engine stepping."""
+        if not self.held:
+            return False
+        oldest = min(self.held.values())
+        return time.monotonic() - oldest < HOLD_STEPS_S
 
 
 def _aborted(request: Any) -> bool:

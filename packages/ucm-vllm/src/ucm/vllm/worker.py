@@ -24,11 +24,12 @@ torch tensors, so its data path runs wherever torch does (a GPU machine without 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 
 import torch
-from ucm.core import DumpTracker
+from ucm.core import DumpTracker, Store, Task
 from ucm.kernels.mover import Mover, MoverSettings
 from ucm.vllm.blocks import RankBlocks, positions, shape
 from ucm.vllm.counters import Counters
@@ -55,6 +56,7 @@ class WorkerSide:
         piece_bytes: int = 16 << 20,
         pipeline_depth: int = 2,
         cancel_grace_s: float = 2.0,
+        remember_stored: bool = False,
     ) -> None:
         self.layout = layout
         self.stores = stores
@@ -86,6 +88,11 @@ class WorkerSide:
         self.tracker = DumpTracker()
         self.delayed: list[str] = []
         self._evicted_seen = 0  # the stores' eviction count when last reported
+        # on_reset "remove": the keys this rank stored since it started or last reset, by
+        # store, and the dumps still writing them
+        self.remembers_stored = remember_stored
+        self.stored: dict[int, tuple[Store, list[bytes]]] = {}
+        self._epoch_tasks: list[Task] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.blocks.add_caches(kv_caches)
@@ -111,7 +118,24 @@ class WorkerSide:
                 self.mover.pool.reserve(nbytes, count)
 
     def start_load_kv(self, meta: StepPlan) -> None:
+        if meta.reset:
+            self._reset(meta)
         self.loads.start(meta.loads)
+
+    def _reset(self, meta: StepPlan) -> None:
+        """vLLM reset its prefix cache with ours since the last step: loads planned before
+        fail; with ``on_reset: remove``, what this rank stored since it started (or last
+        reset) is removed from its stores, on a thread of its own once those dumps end."""
+        self.loads.fail(meta.reset_loads)
+        if meta.reset != "remove" or self.stores is None:
+            return
+        stored, self.stored = self.stored, {}
+        tasks = list(self._epoch_tasks)
+        self._epoch_tasks = []
+        if stored:
+            threading.Thread(
+                target=_remove_after, args=(stored, tasks), name="ucm-reset-remove", daemon=True
+            ).start()
 
     # -- dumps --
 
@@ -160,6 +184,9 @@ class WorkerSide:
             )
         self.tracker.submit(req_id, task)
         self.stats.add(dumped_bytes=self.blocks.item_bytes(items[0]) * len(items))
+        if self.remembers_stored:
+            self.stored.setdefault(id(store), (store, []))[1].extend(keys)
+            self._epoch_tasks = [t for t in self._epoch_tasks if not t.done()] + [task]
 
     def take_reports(self) -> list[Report]:
         """What this rank stored or dropped (found corrupt, or evicted) since the last
@@ -200,3 +227,24 @@ class WorkerSide:
         self.mover.close()  # before the stores unmap their memory
         if self.stores is not None:
             self.stores.close()
+
+
+#: how long removing what a rank stored before a reset waits for those dumps to end
+REMOVE_WAIT_S = 60.0
+
+
+def _remove_after(stored: dict[int, tuple[Store, list[bytes]]], tasks: list[Task]) -> None:
+    """Remove ``stored`` once ``tasks`` (the dumps writing it) end, or after
+    ``REMOVE_WAIT_S``; a store that fails is logged, never raised."""
+    deadline = time.monotonic() + REMOVE_WAIT_S
+    for task in tasks:
+        try:
+            task.wait(max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a dump that failed or is late: remove anyway
+            pass
+    for store, keys in stored.values():
+        try:
+            removed = store.remove(keys)
+            log.info("ucm: reset: removed %d blocks this rank stored", removed)
+        except Exception as exc:  # noqa: BLE001 - a failing store never stops serving
+            log.warning("ucm: reset: removing %d blocks failed: %s", len(keys), exc)

@@ -12,7 +12,10 @@ engine core and each worker a process of its own, as ``vllm serve`` and ``LLM`` 
 default), fresh_prefix_cache (empty vLLM's
 own prefix cache before each request, so that a repeat is served by the store), pause_after
 and pause_dir (before request pause_after[k], create PAUSE_DIR/paused-k and wait for
-PAUSE_DIR/resume-k: the test makes or mends a fault meanwhile).
+PAUSE_DIR/resume-k: the test makes or mends a fault meanwhile), reload_before and
+weights_path (before request reload_before, load the weights of weights_path into the
+running engine in place, as reinforcement-learning loops do, then reset vLLM's prefix cache,
+with the connector's unless reset_connector is false).
 Every run computes on one thread a rank (pinned in a worker process, ../shared/DESIGN.md
 section 3; vLLM's own limit in one process), so outputs of runs with and without the
 connector are comparable bit for bit, as long as the requests go one at a time: vLLM CPU's
@@ -78,6 +81,7 @@ def main() -> None:
     loras = [_lora(a) for a in spec.get("adapters") or [None] * len(prompts)]
     t0 = time.perf_counter()
     took = [None] * len(prompts)
+    resets = []
     if together:
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     else:
@@ -85,13 +89,16 @@ def main() -> None:
         for i, (p, lora) in enumerate(zip(prompts, loras)):
             if i in spec.get("pause_after", ()):
                 _pause(spec["pause_dir"], spec["pause_after"].index(i))
+            if i == spec.get("reload_before"):
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": spec["weights_path"]})
+                resets.append(_reset(llm, spec.get("reset_connector", True)))
             if spec.get("fresh_prefix_cache"):
                 llm.reset_prefix_cache()
             started = time.perf_counter()
             outputs.append(llm.generate([p], params, use_tqdm=False, lora_request=lora)[0])
             took[i] = time.perf_counter() - started
     seconds = time.perf_counter() - t0
-    result = {"seconds": seconds, "together": together, "outputs": []}
+    result = {"seconds": seconds, "together": together, "outputs": [], "resets": resets}
     for out, request_seconds in zip(outputs, took):
         completion = out.outputs[0]
         result["outputs"].append(
@@ -107,6 +114,21 @@ def main() -> None:
         )
     result["metrics"] = _metrics(llm) if spec.get("store") is None else _settled(llm)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _reset(llm, connector: bool) -> list[bool]:
+    """Reset vLLM's prefix cache, with the connector's if ``connector``, as an RL loop does
+    after a weight update: vLLM's own fails while finished requests' blocks wait for their
+    dumps, so the engine steps (the workers report the dumps) until it succeeds, at most
+    ~10 s.  [vLLM's own reset, the one with the connector's]."""
+    own = False
+    for _ in range(1000):
+        own = llm.reset_prefix_cache()
+        if own:
+            break
+        llm.llm_engine.step()
+        time.sleep(0.01)
+    return [own, llm.reset_prefix_cache(reset_connector=True) if connector else own]
 
 
 def _metrics(llm) -> dict[str, float]:
