@@ -98,6 +98,16 @@ def test_tiered_lookup_prefix_spans_both_tiers(tiered):
     assert tiered.lookup_prefix(keys) == 1
 
 
+def test_a_tiered_store_tells_which_tier_serves_each_block(tiered):
+    # what an engine reports as each hit's source: the host's memory or the disk below
+    keys = [key(i) for i in range(4)]
+    tiered.backing.wait(tiered.backing.dump(keys, [b"x"] * 4))
+    tiered.wait(tiered.front.dump(keys[1:3], [b"y"] * 2))
+    assert tiered.tiers(keys) == ["disk", "host", "host", "disk"]
+    assert (tiered.tier, tiered.front.tier, tiered.backing.tier) == ("host", "host", "disk")
+    assert tiered.backing.tiers(keys) == ["disk"] * 4  # one tier: no lookup
+
+
 def test_tiered_miss_and_remove(tiered):
     results = tiered.wait(tiered.load([key(1)], [bytearray(10)]))
     assert results[0].status is Status.MISS

@@ -193,3 +193,18 @@ def test_the_watched_blocks_a_store_evicts_are_reported(kind, tmp_path, request)
         assert store.take_evicted() == []
     finally:
         store.close()
+
+
+#: the tier each kind keeps a block in first: what an engine reports a hit's source as
+TIERS = {
+    "posix": "disk", "posix-signed": "disk", "dram": "host", "dram-signed": "host",
+    "dram-process": "host", "tiered": "host", "mooncake": "remote", "mooncake-signed": "remote",
+    "tiered-mooncake": "host", "posix-over-mooncake": "disk",
+}  # fmt: skip
+
+
+def test_every_block_names_the_tier_that_serves_it(store, kind):
+    keys = [key(i) for i in range(3)]
+    assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, 4000) for i in range(3)]), 30))
+    assert store.tier == TIERS[kind]
+    assert store.tiers(keys) == [TIERS[kind]] * 3  # a tiered store's front holds them all

@@ -511,3 +511,47 @@ def test_on_reset_keep_changes_nothing_and_remove_tells_the_workers(tmp_path, on
         assert [span(t) for t in meta(so).loads] == [(0, 4)] and meta(so).reset == ""
     else:
         assert meta(so).loads == [] and meta(so).reset == "remove"
+
+
+def test_each_hit_is_counted_by_the_tier_that_serves_it(tmp_path, shm_dir):
+    # vllm:prompt_tokens_cached_by_source: a tiered store's blocks in host memory are host
+    # hits, those only on its disk are disk hits
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    transfer = ucm_transfer(tmp_path / "disk")
+    transfer["kv_connector_extra_config"]["store"] = {
+        "kind": "tiered",
+        "dram": {"capacity_gb": 0.0625, "path": str(shm_dir)},
+        "backing": {"kind": "posix", "path": str(tmp_path / "disk")},
+    }
+    h = SchedulerHarness.create(tmp_path, kv_transfer_config=transfer)
+    tokens = prompt(1100)
+    layout = h.connector.scheduler.layout
+    keys = scoped_keys(block_keys(layout.chain_namespace(None), tokens, BT)[:4],
+                       layout.scope(layout.groups[0], 0))  # fmt: skip
+    disk = PosixStore(PosixStoreConfig(path=str(tmp_path / "disk")))
+    memory = SharedMemoryStore(DramStoreConfig(capacity_gb=0.0625, path=str(shm_dir)))
+    assert all(r.ok for r in disk.wait(disk.dump(keys, [b"x"] * 4)))
+    assert all(r.ok for r in memory.wait(memory.dump(keys[:2], [b"x"] * 2)))
+    req = h.add_request(tokens, max_tokens=4)
+    so, _ = h.step()
+    assert [span(t) for t in meta(so).loads] == [(0, 4)]
+    assert h.connector.get_external_cache_hit_sources(req, 1024) == {
+        CacheHitSource.HOST: 512,
+        CacheHitSource.DISK: 512,
+    }
+    disk.close()
+    memory.close()
+
+
+def test_a_posix_stores_hits_are_disk_hits(harness):
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    h = harness(max_num_batched_tokens=2048)
+    tokens = prompt(1100)
+    store_blocks(h, tokens, 3)
+    req = h.add_request(tokens, max_tokens=4)
+    h.step()
+    assert h.connector.get_external_cache_hit_sources(req, 768) == {CacheHitSource.DISK: 768}

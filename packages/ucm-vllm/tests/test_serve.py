@@ -353,3 +353,83 @@ def test_a_client_that_leaves_while_its_kv_loads_is_released(
     finally:
         code, _ = server.stop()
     assert code == 0
+
+
+def _post(server: Server, path: str, body: dict | None = None) -> dict:
+    import urllib.request
+
+    data = json.dumps(body or {}).encode()
+    ask = urllib.request.Request(f"{server.url}{path}", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(ask, timeout=120) as answer:
+        text = answer.read().decode()
+    return json.loads(text) if text else {}
+
+
+def _cached_by_source(server: Server) -> dict[str, float]:
+    """vllm:prompt_tokens_cached_by_source by its source label."""
+    out: dict[str, float] = {}
+    for line in server.metrics_text().splitlines():
+        found = re.match(r'vllm:prompt_tokens_cached_by_source_total\{.*source="(\w+)".*\} (\S+)',
+                         line)  # fmt: skip
+        if found:
+            out[found[1]] = out.get(found[1], 0.0) + float(found[2])
+    return out
+
+
+def _reset(server: Server, external: bool) -> None:
+    """POST /reset_prefix_cache until vLLM's own cache lets go (the blocks of finished
+    requests come back once their dumps are reported, a step or two)."""
+    path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+    deadline = time.monotonic() + 30
+    while not _post(server, path)["success"]:
+        assert time.monotonic() < deadline, "vLLM's prefix cache was never reset"
+        time.sleep(0.2)
+
+
+def test_hits_by_tier_and_a_weight_update_with_the_reset_endpoint(
+    tiny_model, tokenizer, logs, tmp_path, shm_dir
+):
+    """A tiered store: blocks still in host memory count as host hits in
+    ``vllm:prompt_tokens_cached_by_source``, those only on its disk as disk hits.  Then an
+    RL-style weight update over HTTP (``/collective_rpc reload_weights``) and ``POST
+    /reset_prefix_cache?reset_external=true``: the same prompt loads nothing stored before
+    and is computed anew; what the new weights store then hits."""
+    from ucm.lab.testing.vllm.models import make_tiny_llama
+
+    on_disk, in_memory = (shared_prefix_prompts(1, prefix=1000, tail=100, seed=s)[0]
+                          for s in (11, 12))  # fmt: skip
+    disk = {"kind": "posix", "path": str(tmp_path / "disk")}
+    run_engine({"model": tiny_model, "prompts": [on_disk], "store": disk})
+    new_weights = make_tiny_llama(tmp_path / "new_weights", seed=1)
+    store = {"kind": "tiered", "dram": {"capacity_gb": 0.0625, "path": str(shm_dir)},
+             "backing": disk}  # fmt: skip
+    server = Server(tiny_model, tokenizer, logs / "tiers.log", store=store,
+                    env={"VLLM_SERVER_DEV_MODE": "1"}).wait_ready()  # fmt: skip
+    try:
+        client = server.client()
+        complete(client, in_memory)  # stored in both tiers
+        _reset(server, external=False)  # vLLM's own cache: the store serves the repeats
+        assert complete(client, on_disk)["cached_tokens"] == 1024
+        assert complete(client, in_memory)["cached_tokens"] == 1024
+        by_source = _cached_by_source(server)
+        assert by_source.get("disk") == 1024 and by_source.get("host") == 1024, by_source
+
+        before = complete(client, on_disk)  # vLLM's own cache: the same KV, old weights
+        _post(
+            server,
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(new_weights)}},
+        )
+        _reset(server, external=True)
+        loaded = server.metrics()["vllm:ucm_loaded_blocks_total"]
+        fresh = complete(client, on_disk)
+        assert fresh["cached_tokens"] == 0  # nothing stored before the reset is loaded
+        assert server.metrics()["vllm:ucm_loaded_blocks_total"] == loaded
+        assert fresh["logprobs"] != before["logprobs"]  # the new weights answer
+        _reset(server, external=False)
+        again = complete(client, on_disk)  # stored after the reset: loads
+        assert again["cached_tokens"] == 1024
+    finally:
+        code, _ = server.stop()
+    assert code == 0

@@ -42,9 +42,17 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 log = logging.getLogger(__name__)
 
 
-class UCMConnector(KVConnectorBase_V1, SupportsHMA):
-    _cache_hit_source = CacheHitSource.DISK
+#: a store tier (``Store.tier``) as vLLM counts hits by source
+#: (``vllm:prompt_tokens_cached_by_source``): other hosts' memory is what vLLM's own
+#: Mooncake connector reports, p2p
+HIT_SOURCES = {
+    "host": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "remote": CacheHitSource.P2P,
+}
 
+
+class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
@@ -149,6 +157,15 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        out: dict[CacheHitSource, int] = {}
+        for tier, tokens in self._sched().hit_tiers(request, num_external_tokens).items():
+            source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + tokens
+        return out
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         # Every group: full-attention blocks, and the window groups' tails at the hit.

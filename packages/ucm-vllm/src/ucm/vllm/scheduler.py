@@ -271,6 +271,28 @@ class SchedulerSide:
         state.load_step = self.sync_loads
         self.stats.add(lookup_hit_tokens=num_external_tokens)
 
+    def hit_tiers(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """The tokens of the request's planned load by the store tier that serves them
+        (``Store.tiers``: host memory, disk, remote), by its full-attention blocks; "" for
+        tokens whose tier the store could not tell."""
+        state = self.requests.get(request.request_id)
+        if state is None or not state.chain or num_external_tokens <= 0 or self.stores is None:
+            return {}
+        bt = self.layout.block_tokens
+        start, end = state.local, state.local + num_external_tokens
+        keys = range(start // bt, min(-(-end // bt), len(state.chain)))
+        group = next(g for g in self.layout.groups if g.kind == "full")
+        try:
+            scoped = scoped_keys([state.chain[k] for k in keys], self.layout.scope(group, 0))
+            tiers = self.stores.of(group).tiers(scoped)
+        except Exception:  # noqa: BLE001 - a failing store: the tokens' tier is unknown
+            return {"": num_external_tokens}
+        out: dict[str, int] = {}
+        for k, tier in zip(keys, tiers):
+            tokens = min(end, (k + 1) * bt) - max(start, k * bt)
+            out[tier] = out.get(tier, 0) + tokens
+        return out
+
     def _item(self, state: RequestState, ref: BlockRef, block_ids: Any, skip: int = 0) -> Item:
         """``ref`` with its engine block ids; the first ``skip`` are left alone (0)."""
         ids = block_ids[ref.group]

@@ -61,6 +61,16 @@ def check_batch(
 class Store(abc.ABC):
     """Batched, asynchronous block storage.  Thread-safe."""
 
+    #: where this store keeps its blocks, as an engine reports where a hit came from:
+    #: ``host`` (this host's memory), ``disk`` (a local or shared filesystem), ``remote``
+    #: (other hosts' memory)
+    tier = "disk"
+
+    def tiers(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier that would serve each of ``keys`` (stored ones: a tiered store asks its
+        front, others answer without a lookup)."""
+        return [self.tier] * len(keys)
+
     @property
     def read_only(self) -> bool:
         """Whether every dump fails (a read-only cache): callers need not plan any."""

@@ -95,6 +95,8 @@ class DramStore(Store):
         # Copies happen under the lock, so eviction never frees a block being read.
         self._lock = threading.Lock()
 
+    tier = "host"
+
     @property
     def reads_from_memory(self) -> bool:
         return True

@@ -105,6 +105,8 @@ class SharedMemoryStore(Store):
         self._retry_open_at = 0.0  # an open that found the lock held is not retried before
         self._open_failure = ""
 
+    tier = "host"
+
     @property
     def reads_from_memory(self) -> bool:
         return True

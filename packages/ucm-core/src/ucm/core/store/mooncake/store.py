@@ -137,6 +137,8 @@ class _Call:
 
 
 class MooncakeStore(Store):
+    tier = "remote"  # the pool's memory, on the hosts that give it
+
     def __init__(
         self,
         config: MooncakeStoreConfig | None = None,

@@ -179,6 +179,16 @@ class TieredStore(Store):
         first.add_done_callback(after_front)
         return whole
 
+    @property
+    def tier(self) -> str:  # type: ignore[override]
+        return self.front.tier
+
+    def tiers(self, keys: Sequence[bytes]) -> list[str]:
+        in_front = self.front.lookup(keys)
+        missing = [k for k, hit in zip(keys, in_front) if not hit]
+        below = iter(self.backing.tiers(missing)) if missing else iter(())
+        return [self.front.tier if hit else next(below) for hit in in_front]
+
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         in_front = self.front.lookup(keys)
         missing = [k for k, hit in zip(keys, in_front) if not hit]
