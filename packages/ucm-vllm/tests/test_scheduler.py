@@ -555,3 +555,33 @@ def test_a_posix_stores_hits_are_disk_hits(harness):
     req = h.add_request(tokens, max_tokens=4)
     h.step()
     assert h.connector.get_external_cache_hit_sources(req, 768) == {CacheHitSource.DISK: 768}
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["ucm", "without-the-hook"])
+def test_vllm_waits_for_blocks_held_for_dumps_rather_than_preempting(harness, hook):
+    # A finished request's blocks come back once its dumps are reported done: with the
+    # cache full, vLLM waits a step for them (has_pending_block_frees) instead of
+    # preempting a running request, which would recompute it
+    h = harness(num_blocks=40, max_num_batched_tokens=2048)
+    if not hook:
+        h.connector.has_pending_block_frees = lambda: False
+    a = h.add_request(prompt(512, seed=1), max_tokens=1)
+    h.step()
+    assert a.is_finished() and h.connector.has_pending_block_frees() == hook
+    assert h.connector.has_pending_push_work()  # an idle engine steps until they are back
+    running = [h.add_request(prompt(300, seed=s), max_tokens=300) for s in (2, 3)]
+    preempted, pressed, reply = [], 0, None
+    for _ in range(2000):
+        if all(r.is_finished() for r in running):
+            break
+        so, _ = h.step(reply)
+        reply = None
+        preempted += meta(so).preempted
+        waiting = [r for r in running if not r.is_finished()
+                   and r.request_id not in so.num_scheduled_tokens]  # fmt: skip
+        pressed += bool(waiting or meta(so).preempted)
+        if pressed == 3:  # the dumps end a few steps after the cache filled up
+            reply = KVConnectorOutput(finished_sending={a.request_id})
+    assert all(r.is_finished() for r in running) and pressed >= 3
+    assert a.request_id not in h.connector.scheduler.held
+    assert (preempted == []) == hook, preempted
