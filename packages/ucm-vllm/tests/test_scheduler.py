@@ -585,3 +585,24 @@ def test_vllm_waits_for_blocks_held_for_dumps_rather_than_preempting(harness, ho
     assert all(r.is_finished() for r in running) and pressed >= 3
     assert a.request_id not in h.connector.scheduler.held
     assert (preempted == []) == hook, preempted
+
+
+def test_a_full_prompt_hit_ends_on_a_block_boundary_where_vllm_requires_it():
+    from ucm.vllm.scheduler import external_hit
+
+    # a 1024-token prompt stored whole: vLLM computes its last token
+    assert external_hit(1024, 1024, 0) == 1023
+    # with 0.33's routed-experts output vLLM drops a hit that ends mid-block: it ends on
+    # the last 32-token block boundary instead of being lost
+    assert external_hit(1024, 1024, 0, aligned_to=32) == 992
+    assert external_hit(768, 1100, 256, aligned_to=32) == 512  # a prefix hit: unchanged
+    assert external_hit(256, 1100, 256) == 0 and external_hit(1024, 20, 0, aligned_to=32) == 0
+    # vLLM CPU has no routed-experts output (it needs the V2 model runner): the switch is
+    # read from the config as 0.33 holds it
+    from types import SimpleNamespace as NS
+
+    from ucm.vllm.connector import _hits_aligned_to
+
+    on = NS(aux_output_config=NS(enable_return_routed_experts=True), cache_config=NS(block_size=16))
+    assert _hits_aligned_to(on) == 16
+    assert _hits_aligned_to(NS(cache_config=NS(block_size=16))) == 1

@@ -116,6 +116,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 if self.events_on
                 else None,
                 on_reset=self.config.on_reset,
+                aligned_to=_hits_aligned_to(vllm_config),
             )
         else:
             self.worker = WorkerSide(
@@ -313,6 +314,15 @@ def _log_start(config: Any, layout: Any) -> None:
     warning = version_warning(getattr(vllm, "__version__", "unknown"))
     if warning:
         log.warning(warning)
+
+
+def _hits_aligned_to(vllm_config: Any) -> int:
+    """vLLM's block size where it drops an external hit that does not end on a block
+    boundary (with its routed-experts output, 0.33), else 1."""
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None and getattr(aux, "enable_return_routed_experts", False):
+        return int(vllm_config.cache_config.block_size)
+    return 1
 
 
 def _loads_refused(vllm_config: Any) -> str | None:

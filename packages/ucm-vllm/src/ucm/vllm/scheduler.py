@@ -77,6 +77,7 @@ class SchedulerSide:
         loads: bool = True,
         events: StoredEvents | None = None,
         on_reset: str = "forget",
+        aligned_to: int = 1,
     ) -> None:
         self.layout = layout
         self.loads = loads  # False: the engine cannot compute on loaded KV (what is found is
@@ -97,6 +98,9 @@ class SchedulerSide:
         self.stats = Counters()
         self.events = events
         self.on_reset = on_reset
+        # where vLLM takes only hits that end on one of its blocks' boundaries (0.33's
+        # routed-experts output): its block size; else 1
+        self.aligned_to = aligned_to
         # "" until vLLM resets its prefix cache with ours; then a fresh random epoch in
         # every chain key: blocks stored before are never found again by this engine
         self.epoch = ""
@@ -250,9 +254,9 @@ class SchedulerSide:
         state.next_dump = max(
             state.next_dump, state.hit if self.layout.has_windows else max(state.hit, stored)
         )
-        # vLLM must compute at least the last prompt token to sample the next one; the
-        # hit's last block is still loaded whole.
-        hit = min(state.hit * bt, request.num_tokens - 1) - num_computed_tokens
+        hit = external_hit(
+            state.hit * bt, request.num_tokens, num_computed_tokens, self.aligned_to
+        )
         if hit <= 0 or hit < self.load_threshold or not self.loads:
             return 0, False
         return hit, not self.sync_loads
@@ -397,6 +401,17 @@ class SchedulerSide:
             return False
         oldest = min(self.held.values())
         return time.monotonic() - oldest < HOLD_STEPS_S
+
+
+def external_hit(stored: int, num_tokens: int, computed: int, aligned_to: int = 1) -> int:
+    """The tokens a hit of ``stored`` prompt tokens (whole store blocks) adds to the
+    ``computed`` ones vLLM holds.  vLLM computes at least the last prompt token, to sample
+    the next one (the hit's last block is still loaded whole); where it takes only hits that
+    end on a block boundary (``aligned_to``, its block size), the hit ends on the last one
+    before."""
+    end = min(stored, num_tokens - 1)
+    end -= end % aligned_to
+    return max(0, end - computed)
 
 
 def _aborted(request: Any) -> bool:

@@ -171,8 +171,10 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None,
     disable_hybrid_kv_cache_manager: bool | None = None,
+    **more: Any,
 ) -> VllmConfig:
-    """A VllmConfig built offline from a local config.json directory."""
+    """A VllmConfig built offline from a local config.json directory (``more``: other
+    parts of it, such as ``aux_output_config``)."""
     model_config = ModelConfig(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -199,6 +201,7 @@ def make_vllm_config(
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
+        **more,
     )
 
 
