@@ -96,13 +96,20 @@ def test_blocks_whose_reports_never_come_are_forgotten_oldest_first():
     assert blocks.take() == [stored(4)]
 
 
-def test_a_report_is_truthy_empty_and_gathers_across_ranks_as_vllm_gathers_them():
+def test_reports_gather_across_ranks_as_vllm_aggregates_worker_metadata():
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
     first, second = StoredReport([(STORED, 0, b"a")]), StoredReport([(DROPPED, 0, b"b")])
-    assert first and StoredReport()  # vLLM counts a rank's report only when it is truthy
-    first.add_events(second.get_all_events())
-    first.increment_workers(1)
-    assert first.aggregate().get_all_events() == [(STORED, 0, b"a"), (DROPPED, 0, b"b")]
-    assert first.get_number_of_workers() == 2
+    assert first and not StoredReport()  # an empty one is left out
+    outputs = [
+        ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                          kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=m))
+        for m in (first, StoredReport(), second)
+    ]  # fmt: skip
+    gathered = KVOutputAggregator(expected_finished_count=3).aggregate(outputs)
+    meta = gathered.kv_connector_output.kv_connector_worker_meta
+    assert meta.reports == [(STORED, 0, b"a"), (DROPPED, 0, b"b")]
 
 
 def test_the_medium_names_the_tier_a_block_lands_in_first():

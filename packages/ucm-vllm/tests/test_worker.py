@@ -129,9 +129,9 @@ def test_a_sync_load_keeps_pipeline_depth_pieces_in_flight(tmp_path):
             most[0] = max(most[0], in_flight[0])
             return start(transfer)
 
-        def done(job, usable=True, finish=finish, in_flight=in_flight):
+        def done(job, finish=finish, in_flight=in_flight):
             in_flight[0] -= 1
-            return finish(job, usable)
+            return finish(job)
 
         reader.loads._submit, reader.loads._finish = submit, done
         reader.start_load_kv(StepPlan(loads=[Transfer("warm", items)]))
@@ -295,6 +295,25 @@ def test_an_async_load_planned_before_a_reset_is_failed_and_nothing_scattered(tm
     gate.set()
     assert torch.equal(cache, before)
     assert worker.stats.take()["load_errors:reset"] == 2
+    worker.shutdown()
+
+
+def test_a_load_in_flight_when_the_caches_go_to_sleep_never_scatters(tmp_path):
+    # vLLM 0.33 unregisters the KV caches before sleep frees or offloads them
+    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
+    items = chain_items(2)
+    writer, _ = worker_on(inner)
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
+    writer.shutdown()
+    gate = threading.Event()
+    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
+    before = cache.clone()
+    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
+    worker.release_caches()
+    gate.set()  # the store answers after
+    _, recving, _ = worker.get_transfer_results(set())
+    assert recving == {"a"} and torch.equal(cache, before)
+    assert worker.take_load_errors() == {b for it in items for b in it.block_ids}
     worker.shutdown()
 
 

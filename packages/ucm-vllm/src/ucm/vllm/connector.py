@@ -174,7 +174,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().sent(connector_output.finished_sending or ())
-        report = connector_output.kv_cache_events
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
         events = self._sched().events
         if events is not None and isinstance(report, StoredReport):
             events.blocks.report(report.reports)
@@ -239,9 +239,22 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
-    def get_kv_connector_kv_cache_events(self) -> StoredReport | None:
-        # every step, empty or not: each rank's report counts toward the step's
+    def build_connector_worker_meta(self) -> StoredReport | None:
+        # what this rank stored or dropped this step, for the scheduler's KV events
         return StoredReport(self._work().take_reports()) if self.events_on else None
+
+    @classmethod
+    def supports_sleep_mode(cls, *args: Any, **kwargs: Any) -> bool:
+        # vLLM 0.33: sleep resets the prefix cache with ours (on_reset), and the caches are
+        # released only once no load may scatter into them (unregister_kv_caches)
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self.worker is not None:
+            self.worker.release_caches()
+
+    def restore_kv_caches(self) -> None:
+        return  # the same tensors come back (vLLM keeps their addresses across sleep)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

@@ -3,10 +3,10 @@ once this engine found it corrupt and dropped it.
 
 A KV-aware router (llm-d's prefix-cache scorer, Dynamo's router) learns where blocks live
 from the KV events vLLM publishes with ``--kv-events-config``.  vLLM publishes its own
-cache's events; a connector adds its own through three hooks: each worker returns what it
-did in a step (``get_kv_connector_kv_cache_events``), vLLM gathers the workers' returns into
-one object for the scheduler (``update_connector_output``), and the scheduler hands events
-to the publisher (``take_events``).
+cache's events; a connector adds its own: each worker returns what it did in a step
+(``build_connector_worker_meta``), vLLM aggregates the workers' returns into one object
+for the scheduler (``update_connector_output``), and the scheduler hands events to the
+publisher (``take_events``).
 
 A block is in the store only once every rank that writes it has written its shard (each
 rank its own shard; of a cache replicated on every rank, one rank each block), so the
@@ -36,12 +36,8 @@ from ucm.core.config import StoreSettings
 from ucm.vllm.layout import ModelLayout
 from ucm.vllm.plan import DROPPED, Item, Report
 
-from vllm.distributed.kv_events import (
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-    KVConnectorKVEvents,
-)
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as _external
 
 #: blocks waiting for their reports, at most, of dumps and of loads each (the oldest are
@@ -52,37 +48,24 @@ PENDING_LIMIT = 100_000
 BlockName = tuple[int, bytes]
 
 
-class StoredReport(KVConnectorKVEvents):
-    """What the workers stored or dropped in one step, gathered by vLLM across the ranks.
+class StoredReport(KVConnectorWorkerMetadata):
+    """What a rank stored or dropped in one step (``build_connector_worker_meta``), and
+    what vLLM makes of the ranks' reports (``aggregate``): each rank's :data:`Report` s (a
+    block written by two ranks appears twice).  Worker metadata rather than KV-cache
+    events: vLLM 0.33 keeps the metadata of a failed worker whose outputs it salvages, and
+    drops its events.  Falsy when empty: vLLM then leaves it out."""
 
-    ``reports`` holds each rank's :data:`Report` s (a block written by two ranks appears
-    twice).  Never falsy: vLLM counts a rank toward the step's report only when its object
-    is truthy, and an empty report is still a rank's report."""
-
-    def __init__(self, reports: Iterable[Report] = (), workers: int = 1) -> None:
+    def __init__(self, reports: Iterable[Report] = ()) -> None:
         self.reports: list[Report] = list(reports)
-        self.workers = workers
 
-    def add_events(self, events: list[Any]) -> None:
-        self.reports.extend(events)
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StoredReport:
+        return StoredReport([*self.reports, *getattr(other, "reports", ())])
 
-    def aggregate(self) -> StoredReport:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self.workers += count
-
-    def get_all_events(self) -> list[Any]:
-        return list(self.reports)
-
-    def get_number_of_workers(self) -> int:
-        return self.workers
-
-    def clear_events(self) -> None:
-        self.reports.clear()
+    def __len__(self) -> int:
+        return len(self.reports)
 
     def __repr__(self) -> str:
-        return f"StoredReport({len(self.reports)} reports from {self.workers} rank(s))"
+        return f"StoredReport({len(self.reports)} reports)"
 
 
 class StoredBlocks:

@@ -148,13 +148,17 @@ class Loads:
             if i + self.depth < len(pieces):  # into the rows this piece gave back
                 ahead.append(self._submit(pieces[i + self.depth]))
 
-    def fail(self, req_ids: list[str]) -> None:
-        """Async loads planned before vLLM reset its prefix cache: what they read may be
-        KV of other weights, so none of it is used (vLLM recomputes the blocks)."""
-        for req_id in req_ids:
+    def fail(self, req_ids: list[str] | None = None, why: str = "reset") -> None:
+        """Async loads (``req_ids``, or all) whose reads must not be used: planned before
+        vLLM reset its prefix cache (what they read may be KV of other weights), or the
+        caches are going away (sleep).  Their reads stop now, so that nothing is scattered;
+        vLLM recomputes the blocks."""
+        for req_id in list(self.jobs) if req_ids is None else req_ids:
             job = self.jobs.get(req_id)
-            if job is not None:
-                job.failed = "reset"
+            if job is not None and not job.failed:
+                job.failed = why
+                for _, read in job.batches:
+                    self.mover.stop_read(read, 0.0)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Async loads done or dropped since the last call: (received, failed)."""

@@ -219,6 +219,12 @@ class WorkerSide:
             self._evicted_seen = evicted
         return sending, recving, failed
 
+    def release_caches(self) -> None:
+        """vLLM is about to free or offload the KV cache (sleep): no load in flight may
+        scatter into it any more (they fail; vLLM recomputes them).  Dumps gathered their
+        blocks in the step that planned them, so none reads the cache after."""
+        self.loads.fail(None)
+
     def take_load_errors(self) -> set[int]:
         return self.loads.take_errors()
 
