@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def two_cores(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 
 
-def engine(model, prompts, store=None):
-    spec = {"model": model, "prompts": prompts, "engine": TP2}
+def engine(model, prompts, store=None, **more):
+    spec = {"model": model, "prompts": prompts, "engine": {**TP2, **more}}
     if store is not None:
         spec["store"] = {"kind": "posix", "path": str(store)}
     return run_engine(spec)
@@ -48,11 +49,22 @@ def block_files(store: Path) -> list[Path]:
 def test_two_ranks_store_their_shards_and_a_fresh_engine_reuses_them(
     tiny_model, prompts, tmp_path, two_cores
 ):
+    from ucm.lab.testing.vllm.events import Subscriber, events_config
+
     reference = engine(tiny_model, prompts)
     store = tmp_path / "store"
-    cold = engine(tiny_model, prompts, store)
+    router = Subscriber()
+    try:
+        cold = engine(tiny_model, prompts, store, kv_events_config=events_config(router))
+        # three shared blocks, then one a prompt: each stored once by each rank, and
+        # announced once, when both ranks' reports (worker metadata) are in
+        announced = router.wait_for(3 + len(prompts))
+        time.sleep(1)
+        assert len(router.ucm()) == len(announced) == 3 + len(prompts)
+        assert len({tuple(e.block_hashes) for e in announced}) == len(announced)
+    finally:
+        router.close()
     assert_same_outputs(reference, cold)
-    # three shared blocks, then one a prompt: each stored once by each rank
     assert len(block_files(store)) == 2 * (3 + len(prompts))
 
     warm = engine(tiny_model, prompts, store)

@@ -37,19 +37,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # vLLM before 0.32 counts no hits by source
+    CacheHitSource = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 
-
 #: a store tier (``Store.tier``) as vLLM counts hits by source
-#: (``vllm:prompt_tokens_cached_by_source``): other hosts' memory is what vLLM's own
-#: Mooncake connector reports, p2p
-HIT_SOURCES = {
-    "host": CacheHitSource.HOST,
-    "disk": CacheHitSource.DISK,
-    "remote": CacheHitSource.P2P,
-}
+#: (``vllm:prompt_tokens_cached_by_source``, vLLM 0.32 on): other hosts' memory is what
+#: vLLM's own Mooncake connector reports, p2p
+HIT_SOURCES = (
+    {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
+    if CacheHitSource is not None
+    else {}
+)
 
 
 class UCMConnector(KVConnectorBase_V1, SupportsHMA):
@@ -161,8 +164,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
-    ) -> dict[CacheHitSource, int]:
-        out: dict[CacheHitSource, int] = {}
+    ) -> dict[Any, int]:
+        out: dict[Any, int] = {}
         for tier, tokens in self._sched().hit_tiers(request, num_external_tokens).items():
             source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
             out[source] = out.get(source, 0) + tokens

@@ -254,9 +254,7 @@ class SchedulerSide:
         state.next_dump = max(
             state.next_dump, state.hit if self.layout.has_windows else max(state.hit, stored)
         )
-        hit = external_hit(
-            state.hit * bt, request.num_tokens, num_computed_tokens, self.aligned_to
-        )
+        hit = external_hit(state.hit * bt, request.num_tokens, num_computed_tokens, self.aligned_to)
         if hit <= 0 or hit < self.load_threshold or not self.loads:
             return 0, False
         return hit, not self.sync_loads

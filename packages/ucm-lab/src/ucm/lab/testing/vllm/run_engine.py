@@ -57,6 +57,10 @@ def main() -> None:
         disable_log_stats=False,
     )
     kw.update(engine)
+    if isinstance(kw.get("kv_events_config"), dict):
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
     if spec.get("store") is not None:
         extra = {"store": spec["store"], **spec.get("extra", {})}
         kw["kv_transfer_config"] = {
