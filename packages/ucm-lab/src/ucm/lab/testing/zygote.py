@@ -346,6 +346,10 @@ def _openmp_preload(env: dict[str, str]) -> dict[str, str]:
 def serve(path: str, launcher: str, preload: Sequence[str]) -> None:
     """Import, listen at ``path``, fork a child per request, report each child's pid and
     then its exit status to its launcher."""
+    # what the imports print goes to stderr (vLLM 0.30 logs to stdout): stdout says only
+    # "ready" to the parent
+    ready = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     for name in preload:
         try:
             importlib.import_module(name)
@@ -355,7 +359,8 @@ def serve(path: str, launcher: str, preload: Sequence[str]) -> None:
     server.bind(path)
     server.listen(64)
     parent = os.getppid()
-    print("ready", flush=True)
+    ready.write("ready\n")
+    ready.close()
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
