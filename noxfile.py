@@ -204,13 +204,73 @@ def _pytest(
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every package's tests on Python 3.11 installed from built wheels, then ucm-core's
-    on the other Pythons it supports (the default session, and what CI runs)."""
+    on the other Pythons it supports, side by side (the default session, and what CI
+    runs)."""
     _install_wheels(session, PACKAGES, TEST_EXTRAS)
     _pytest(session, PACKAGES)
     if not session.posargs:
-        for python in CORE_PYTHONS:
-            if python != PYTHON:
-                session.notify(f"tests_core-{python}")
+        _core_side_by_side(session, [p for p in CORE_PYTHONS if p != PYTHON])
+
+
+# ucm-core's tests on the other Pythons, in the environments of the tests_core sessions
+SIDE_BY_SIDE_WORKERS = "2"
+
+
+def _core_side_by_side(session: nox.Session, pythons: list[str]) -> None:
+    """ucm-core's tests (as ``tests_core`` runs them) on each of ``pythons`` at once.
+
+    They mostly wait (processes, sockets, Mooncake's daemons: a third of two cores busy), so
+    three side by side, two workers each, take about the time of two one after the other.
+    Each Python gets the environment its ``tests_core`` session uses, made if missing, with
+    the wheels built for this run."""
+    wheels = _build(session, [CORE, LAB], Path(session.create_tmp()) / "dist", reuse=True)
+    envdir = Path(session.virtualenv.location).parent
+    runs = []
+    for python in pythons:
+        interpreter = _interpreter(python)
+        if interpreter is None:
+            session.warn(f"Python {python} not found: ucm-core's tests skip it")
+            continue
+        env = envdir / f"tests_core-{python.replace('.', '-')}"
+        bin_python = env / "bin" / "python"
+        if not _runs(str(bin_python)):
+            session.run(interpreter, "-m", "venv", "--clear", str(env), external=True)
+        pip = [str(bin_python), "-m", "pip", "install", "--quiet", NO_COMPILE]
+        session.run(*pip, f"{wheels[CORE]}[{TEST_EXTRAS[CORE]}]",
+                    f"{wheels[LAB]}[{TEST_EXTRAS[LAB]}]", external=True)  # fmt: skip
+        session.run(*pip, "--force-reinstall", "--no-deps", str(wheels[CORE]), str(wheels[LAB]),
+                    external=True)  # fmt: skip
+        log = Path(session.create_tmp()) / f"tests_core-{python}.log"
+        command = [
+            str(bin_python), "-m", "pytest", "--import-mode=importlib", "-p", "no:cacheprovider",
+            "-n", SIDE_BY_SIDE_WORKERS, "--dist", "loadscope", "--no-loadscope-reorder",
+            "--durations=10", "-m", "not root and not stress", f"{CORE}/tests",
+        ]  # fmt: skip
+        environ = {**os.environ, "TRITON_INTERPRET": "1", "UCM_REQUIRE_MOONCAKE": "1"}
+        with log.open("w") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ)
+        runs.append((python, process, log))
+    session.log(f"ucm-core's tests on Python {', '.join(p for p, _, _ in runs)}, side by side")
+    failed = []
+    for python, process, log in runs:
+        code = process.wait()
+        session.log(f"--- ucm-core on Python {python} ({log}) ---")
+        text = log.read_text(errors="replace")
+        print(text if code else text[-4000:], flush=True)  # all of it where a test failed
+        if code:
+            failed.append(python)
+    if failed:
+        session.error(f"ucm-core's tests failed on Python {', '.join(failed)}")
+
+
+def _interpreter(minor: str) -> str | None:
+    """The first ``python<minor>`` on PATH that starts (a pyenv shim of a Python that is
+    not selected does not)."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(folder) / f"python{minor}"
+        if candidate.is_file() and _runs(str(candidate)):
+            return str(candidate)
+    return None
 
 
 # the everyday tier: what needs no engine, no root and no Mooncake (markers of ucm.lab's
