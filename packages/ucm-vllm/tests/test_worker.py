@@ -277,29 +277,10 @@ def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_
     worker.shutdown()
 
 
-def test_an_async_load_planned_before_a_reset_is_failed_and_nothing_scattered(tmp_path):
-    # what it reads may be KV of the old weights: vLLM recomputes its blocks
-    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
-    items = chain_items(2)
-    writer, cache = worker_on(inner)
-    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
-    writer.shutdown()
-    gate = threading.Event()
-    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
-    before = cache.clone()
-    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
-    worker.start_load_kv(StepPlan(reset="forget", reset_loads=["a"]))
-    _, recving, failed = worker.get_transfer_results(set())
-    assert recving == {"a"} and failed == set()  # one group: its blocks are load errors
-    assert worker.take_load_errors() == {b for it in items for b in it.block_ids}
-    gate.set()
-    assert torch.equal(cache, before)
-    assert worker.stats.take()["load_errors:reset"] == 2
-    worker.shutdown()
-
-
-def test_a_load_in_flight_when_the_caches_go_to_sleep_never_scatters(tmp_path):
-    # vLLM 0.33 unregisters the KV caches before sleep frees or offloads them
+@pytest.mark.parametrize("why", ["reset", "sleep"])
+def test_an_async_load_stopped_by_a_reset_or_sleep_fails_and_never_scatters(tmp_path, why):
+    # reset: what it reads may be KV of the old weights; sleep (vLLM 0.33 unregisters the
+    # caches before freeing them): nothing may land in them.  vLLM recomputes the blocks.
     inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
     items = chain_items(2)
     writer, _ = worker_on(inner)
@@ -309,11 +290,16 @@ def test_a_load_in_flight_when_the_caches_go_to_sleep_never_scatters(tmp_path):
     worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
     before = cache.clone()
     worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
-    worker.release_caches()
+    if why == "reset":
+        worker.start_load_kv(StepPlan(reset="forget", reset_loads=["a"]))
+    else:
+        worker.release_caches()
     gate.set()  # the store answers after
-    _, recving, _ = worker.get_transfer_results(set())
-    assert recving == {"a"} and torch.equal(cache, before)
+    _, recving, failed = worker.get_transfer_results(set())
+    assert recving == {"a"} and failed == set()  # one group: its blocks are load errors
     assert worker.take_load_errors() == {b for it in items for b in it.block_ids}
+    assert torch.equal(cache, before)
+    assert worker.stats.take()["load_errors:reset"] == 2
     worker.shutdown()
 
 
