@@ -607,3 +607,16 @@ def test_a_full_prompt_hit_ends_on_a_block_boundary_where_vllm_requires_it():
     on = NS(aux_output_config=NS(enable_return_routed_experts=True), cache_config=NS(block_size=16))
     assert _hits_aligned_to(on) == 16
     assert _hits_aligned_to(NS(cache_config=NS(block_size=16))) == 1
+
+
+def test_blocks_held_past_the_bound_neither_stall_vllm_nor_keep_it_stepping(harness):
+    # a store that never ends its writes: after HOLD_S vLLM preempts and idles as usual
+    from ucm.vllm.scheduler import HOLD_S
+
+    h = harness(max_num_batched_tokens=1024)
+    a = h.add_request(prompt(300), max_tokens=1)
+    h.step()
+    assert a.is_finished() and h.connector.has_pending_block_frees()
+    h.connector.scheduler.held[a.request_id] -= HOLD_S + 1
+    assert not h.connector.has_pending_block_frees()
+    assert not h.connector.has_pending_push_work()

@@ -34,9 +34,10 @@ from ucm.vllm.stores import ConnectorStores
 
 log = logging.getLogger(__name__)
 
-#: how long a finished request whose dumps are not reported done keeps an idle engine
-#: stepping (each step asks the workers again)
-HOLD_STEPS_S = 120.0
+#: how long a finished request whose dumps are not reported done makes vLLM wait for its
+#: blocks rather than preempt, and keeps an idle engine stepping (each step asks the
+#: workers again)
+HOLD_S = 120.0
 
 
 @attrs.define
@@ -388,17 +389,22 @@ class SchedulerSide:
     def frees_pending(self) -> bool:
         """Whether blocks of finished requests come back once their dumps end: vLLM then
         waits for them rather than preempting a running request."""
-        return bool(self.held)
+        return self._holding()
 
     def steps_needed(self) -> bool:
         """Whether vLLM should keep stepping with no request: the workers report dumps
         done only in a step, and until they do, vLLM holds the blocks (a reset of its
-        prefix cache fails meanwhile).  Bounded: a request held past ``HOLD_STEPS_S`` (a
-        store that never ends its writes) no longer keeps an idle engine stepping."""
+        prefix cache fails meanwhile)."""
+        return self._holding()
+
+    def _holding(self) -> bool:
+        """Whether a finished request's blocks wait for its dumps.  Bounded: one held past
+        ``HOLD_S`` (a store that never ends its writes) neither makes vLLM wait for its
+        blocks nor keeps an idle engine stepping."""
         if not self.held:
             return False
-        oldest = min(self.held.values())
-        return time.monotonic() - oldest < HOLD_STEPS_S
+        since = time.monotonic() - HOLD_S
+        return any(at > since for at in self.held.values())
 
 
 def external_hit(stored: int, num_tokens: int, computed: int, aligned_to: int = 1) -> int:
