@@ -131,6 +131,10 @@ class DumpTracker:
     def pending(self, req_id: Hashable) -> int:
         return len(self._tasks.get(req_id, ()))
 
+    def in_flight(self) -> list[Task]:
+        """Every dump task not reaped yet, of every request."""
+        return [task for tasks in self._tasks.values() for task in tasks]
+
     def __len__(self) -> int:
         """Requests with state (tasks in flight or finished-and-waiting)."""
         return len(self._tasks.keys() | self._finished)

@@ -239,8 +239,9 @@ class Loads:
         items = job.transfer.items
         results: list[KeyResult | None] = [None] * len(items)
         for where, read in job.batches:
-            if job.failed:  # nothing is copied; loans and rows end
-                self.mover.stop_read(read, 0.0)
+            if job.failed:  # nothing is copied; loans and rows end (once: fail() may have)
+                if not read.stopped:
+                    self.mover.stop_read(read, 0.0)
                 continue
             for p, result in zip(where, self.mover.settle_read(read)):  # lent: copied out
                 results[p] = result

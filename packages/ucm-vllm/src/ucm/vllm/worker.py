@@ -60,7 +60,6 @@ class WorkerSide:
     ) -> None:
         self.layout = layout
         self.stores = stores
-        self.staging_bytes = staging_bytes
         self.mover = Mover(
             MoverSettings(
                 zero_copy=zero_copy,
@@ -89,10 +88,9 @@ class WorkerSide:
         self.delayed: list[str] = []
         self._evicted_seen = 0  # the stores' eviction count when last reported
         # on_reset "remove": the keys this rank stored since it started or last reset, by
-        # store, and the dumps still writing them
+        # store (the dumps still writing them are the tracker's)
         self.remembers_stored = remember_stored
         self.stored: dict[int, tuple[Store, list[bytes]]] = {}
-        self._epoch_tasks: list[Task] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.blocks.add_caches(kv_caches)
@@ -113,7 +111,7 @@ class WorkerSide:
         per_block = [self.blocks.stored_bytes(g) for g in self.layout.stored_groups
                      if g.kind == "full"]  # fmt: skip
         if per_block:
-            count = self.staging_bytes // sum(per_block)
+            count = self.mover.settings.staging_bytes // sum(per_block)
             for nbytes in per_block:
                 self.mover.pool.reserve(nbytes, count)
 
@@ -130,9 +128,8 @@ class WorkerSide:
         if meta.reset != "remove" or self.stores is None:
             return
         stored, self.stored = self.stored, {}
-        tasks = list(self._epoch_tasks)
-        self._epoch_tasks = []
         if stored:
+            tasks = self.tracker.in_flight()
             threading.Thread(
                 target=_remove_after, args=(stored, tasks), name="ucm-reset-remove", daemon=True
             ).start()
@@ -186,7 +183,6 @@ class WorkerSide:
         self.stats.add(dumped_bytes=self.blocks.item_bytes(items[0]) * len(items))
         if self.remembers_stored:
             self.stored.setdefault(id(store), (store, []))[1].extend(keys)
-            self._epoch_tasks = [t for t in self._epoch_tasks if not t.done()] + [task]
 
     def take_reports(self) -> list[Report]:
         """What this rank stored or dropped (found corrupt, or evicted) since the last
