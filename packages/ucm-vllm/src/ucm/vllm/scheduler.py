@@ -284,8 +284,8 @@ class SchedulerSide:
         bt = self.layout.block_tokens
         start, end = state.local, state.local + num_external_tokens
         keys = range(start // bt, min(-(-end // bt), len(state.chain)))
-        group = next(g for g in self.layout.groups if g.kind == "full")
-        try:
+        try:  # a model with no full-attention group: its tier is unknown too
+            group = next(g for g in self.layout.groups if g.kind == "full")
             scoped = scoped_keys([state.chain[k] for k in keys], self.layout.scope(group, 0))
             tiers = self.stores.of(group).tiers(scoped)
         except Exception:  # noqa: BLE001 - a failing store: the tokens' tier is unknown
