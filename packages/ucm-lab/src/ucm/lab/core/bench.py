@@ -3,7 +3,9 @@
 For each block size, the same bytes go through
   * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
   * raw O_DIRECT file I/O and the posix store with ``o_direct``;
-  * memcpy into and out of pre-faulted memory, the dram store (scope process), the dram
+  * memcpy into and out of pre-faulted memory, on one thread and on as many threads as the
+    host tier copies with (``memcpy xN``: the memory's limit for that many cores, and the
+    baseline of every dram case), the dram store (scope process), the dram
     store in shared memory (scope host, what vLLM uses), that store written in place (the
     caller copies each block into the slot the store hands out, as vLLM's worker gathers
     into it, and the store seals and publishes: "dram in place"), and that store's floor:
@@ -52,6 +54,11 @@ BATCH = 128  # keys per dump/load call: what an engine step hands over for a lon
 #: the cases that copy into a pool of pre-faulted blocks, made for them and dropped after
 POOLED = ("memcpy", "sealed copies")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def memcpy_case(threads: int) -> str:
+    """The name of the memcpy baseline on ``threads`` threads."""
+    return "memcpy" if threads == 1 else f"memcpy x{threads}"
 
 
 def aligned(size: int) -> mmap.mmap:
@@ -165,15 +172,38 @@ def _check(results: list[KeyResult], what: str) -> None:
         raise RuntimeError(f"{what} failed: {bad[0]}")
 
 
-def _memcpy(srcs: list, pool: list, dsts: list, n: int) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    for i in range(n):
-        pool[i][:] = srcs[i % len(srcs)]
-    t_in = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(n):
-        dsts[i % len(dsts)][:] = pool[i]
-    return t_in, time.perf_counter() - t0
+def _memcpy(srcs: list, pool: list, dsts: list, n: int, threads: int = 1) -> tuple[float, float]:
+    """Seconds to copy ``n`` blocks into the pool and back out, ``threads`` threads dealing
+    out the blocks of each batch as the host tier's copy threads do (numpy's copy releases
+    the GIL)."""
+    if threads == 1:
+        t0 = time.perf_counter()
+        for i in range(n):
+            pool[i][:] = srcs[i % len(srcs)]
+        t_in = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(n):
+            dsts[i % len(dsts)][:] = pool[i]
+        return t_in, time.perf_counter() - t0
+    pool_arrays = [np.frombuffer(b, np.uint8) for b in pool]
+    src_arrays = [np.frombuffer(b, np.uint8) for b in srcs]
+    dst_arrays = [np.frombuffer(b, np.uint8) for b in dsts]
+
+    def copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for dst, src in pairs:
+            np.copyto(dst, src)
+
+    def timed(pair: Callable[[int], tuple[np.ndarray, np.ndarray]]) -> float:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as executor:
+            for s in range(0, n, BATCH):
+                batch = [pair(i) for i in range(s, min(s + BATCH, n))]
+                list(executor.map(copy, [batch[k::threads] for k in range(threads)]))
+        return time.perf_counter() - t0
+
+    t_in = timed(lambda i: (pool_arrays[i], src_arrays[i % len(srcs)]))
+    t_out = timed(lambda i: (dst_arrays[i % len(dsts)], pool_arrays[i]))
+    return t_in, t_out
 
 
 def _sealed_copies(srcs: list, pool: list, dsts: list, n: int, threads: int) -> tuple[float, float]:
@@ -310,7 +340,7 @@ def _shm_folder() -> str:
 
 
 def _signed_cases(
-    root: str, nbytes: int, srcs: list, dsts: list, n: int, opened: list[Any]
+    root: str, nbytes: int, srcs: list, dsts: list, n: int, opened: list[Any], floor: str
 ) -> list[tuple[str, Callable[[], tuple[float, float]], str | None]]:
     """The posix and shared-memory stores signing their blocks, against the same baselines."""
     secret = f"env:{SECRET_ENV}"
@@ -325,7 +355,7 @@ def _signed_cases(
     opened += [posix, shared]
     return [
         ("posix signed", lambda: through_store(posix, srcs, dsts, n), "raw file"),
-        ("dram shared signed", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
+        ("dram shared signed", lambda: through_store(shared, srcs, dsts, n), floor),
     ]
 
 
@@ -386,6 +416,8 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     )
                 )
                 opened = [posix, direct, dram, shared]
+                threads = shared.config.threads
+                floor = memcpy_case(threads)  # every dram case's baseline
                 cases = [
                     ("raw file", lambda: raw_file(raw_dir, srcs, dsts, n, False), None),
                     ("posix", lambda: through_store(posix, srcs, dsts, n), "raw file"),
@@ -396,32 +428,32 @@ def run_store_bench(args: argparse.Namespace) -> int:
                         "raw O_DIRECT",
                     ),
                     ("memcpy", lambda: _memcpy(srcs, pool, dsts, n), None),
-                    ("dram", lambda: through_store(dram, srcs, dsts, n), "memcpy"),
-                    ("dram shared", lambda: through_store(shared, srcs, dsts, n), "memcpy"),
-                    (
-                        "dram in place",
-                        lambda: written_in_place(shared, srcs, dsts, n),
-                        "memcpy",
-                    ),
+                ]
+                if threads > 1:
+                    cases.append((floor, lambda: _memcpy(srcs, pool, dsts, n, threads), "memcpy"))
+                cases += [
+                    ("dram", lambda: through_store(dram, srcs, dsts, n), floor),
+                    ("dram shared", lambda: through_store(shared, srcs, dsts, n), floor),
+                    ("dram in place", lambda: written_in_place(shared, srcs, dsts, n), floor),
                     (
                         "sealed copies",
-                        lambda: _sealed_copies(srcs, pool, dsts, n, shared.config.threads),
-                        "memcpy",
+                        lambda: _sealed_copies(srcs, pool, dsts, n, threads),
+                        floor,
                     ),
                 ]
                 if compiled():  # what the compiled copies gain, in the same run
                     cases.append(
-                        ("dram shared py", lambda: _in_python(shared, srcs, dsts, n), "memcpy")
+                        ("dram shared py", lambda: _in_python(shared, srcs, dsts, n), floor)
                     )
                 if args.signed:
-                    cases += _signed_cases(root, n * size, srcs, dsts, n, opened)
+                    cases += _signed_cases(root, n * size, srcs, dsts, n, opened, floor)
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
             for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
-                if name in POOLED:
+                if name in POOLED or name.startswith("memcpy x"):
                     pool[:] = [aligned(size) for _ in range(n)]
                 timings = [run() for _ in range(args.repeat)]
-                if name in POOLED:
+                if name in POOLED or name.startswith("memcpy x"):
                     pool.clear()
                 best = (min(t[0] for t in timings), min(t[1] for t in timings))
                 measured[name] = best
