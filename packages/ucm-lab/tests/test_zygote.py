@@ -22,6 +22,12 @@ PROBE = textwrap.dedent(
     def report(queue):
         queue.put([os.getpid(), os.getppid()])
 
+    def here():
+        return [os.readlink("/proc/self/ns/net"), sorted(os.listdir("/sys/class/net"))]
+
+    def where(queue):
+        queue.put(here())
+
     def main(mode):
         if mode == "echo":
             print(json.dumps({"args": sys.argv[1:], "cwd": os.getcwd(), "name": __name__,
@@ -40,6 +46,13 @@ PROBE = textwrap.dedent(
             print(os.getpid(), flush=True)
         if mode == "placed":
             print(json.dumps([os.getpid(), sorted(os.sched_getaffinity(0))]), flush=True)
+        if mode == "where":  # the network namespace, and one a spawned child is in
+            ctx = multiprocessing.get_context("spawn")
+            queue = ctx.Queue()
+            proc = ctx.Process(target=where, args=(queue,))
+            proc.start()
+            print(json.dumps([os.getppid(), here(), queue.get(timeout=60)]), flush=True)
+            proc.join(60)
         if mode == "crash":
             raise RuntimeError("boom")
         if mode == "spawn":  # as vLLM CPU starts its engine core and workers
@@ -203,3 +216,32 @@ def test_the_zygote_ends_with_its_parent_and_so_do_its_children(tmp_path):
     proc.wait(10)
     # the launcher was the parent's child: it lives on, but the zygote and its tree do not
     assert gone(zygote_pid) and gone(child) and gone(grandchild)
+
+
+@pytest.mark.root
+def test_a_child_started_in_another_host_joins_its_network_as_ip_netns_exec_would(zygote):
+    """A launcher under ``ip netns exec HOST`` (a host of ``ucm.lab.netlab``): the forked child
+    and what it spawns are in that host's network and see its interfaces in /sys, as a new
+    interpreter there does."""
+    from ucm.lab.netlab import NetLab
+    from ucm.lab.pytest_plugin import require_namespaces
+
+    require_namespaces()
+    code = (
+        "import json, os; print(json.dumps([os.readlink('/proc/self/ns/net'), "
+        "sorted(os.listdir('/sys/class/net'))]))"
+    )
+    with NetLab(["a"]) as lab:
+        interpreter = subprocess.run(
+            lab.command("a", [sys.executable, "-c", code]),
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        proc = subprocess.run(
+            lab.command("a", zygote.command("zygote_probe", ["where"])),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    parent, child, spawned = json.loads(proc.stdout)
+    assert parent == zygote._proc.pid  # forked, not a new interpreter
+    assert child == spawned == json.loads(interpreter.stdout)
+    assert child[1] == ["eth0", "lo"] and child[0] != os.readlink("/proc/self/ns/net")

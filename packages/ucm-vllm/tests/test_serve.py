@@ -329,6 +329,7 @@ def test_a_client_that_leaves_while_its_kv_loads_is_released(
         tiny_model, tokenizer, logs / "slow.log", store=store,
         extra={"load_mode": "async", "store_cpus": str(cpu)},
         host=lab.address("b"), prefix=lab.command("b", []),
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
     ).wait_ready()  # fmt: skip
     try:
         assert f"the store's threads run on CPUs {cpu} (this worker computes on" in server.log()
@@ -347,8 +348,16 @@ def test_a_client_that_leaves_while_its_kv_loads_is_released(
             assert engine_busy(server)[2] == steps, "the engine keeps stepping with no request"
         finally:
             lab.throttle("m", None)
-        # the store and the engine serve on: the same prompt now loads
-        answer = complete(server.client(), SLOW)
+        # The store and the engine serve on: the same prompt loads again once the link is
+        # back.  A transfer Mooncake saw stall may hold its client until its own timeout
+        # (30 s without progress): a request meanwhile waits load_timeout_s and is computed.
+        deadline = time.monotonic() + 120
+        while True:
+            server.reset_prefix_cache()  # a hit can only come from the store
+            answer = complete(server.client(), SLOW)
+            if answer["cached_tokens"] >= 2816 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         assert answer["cached_tokens"] >= 2816, answer
     finally:
         code, _ = server.stop()

@@ -277,6 +277,35 @@ def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_
     worker.shutdown()
 
 
+def test_an_async_load_the_store_does_not_answer_fails_after_load_timeout_s(tmp_path):
+    # A stalled store (a transfer stuck on the network, a hung filesystem) holds the request
+    # in WAITING_FOR_REMOTE_KVS only for load_timeout_s: then its blocks are load errors,
+    # vLLM recomputes them, and what the store answers later is never scattered.
+    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
+    items = chain_items(2)
+    writer, _ = worker_on(inner)
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
+    writer.shutdown()
+    gate = threading.Event()
+    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate), load_timeout_s=0.3)
+    before = cache.clone()
+    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
+    assert worker.get_transfer_results(set())[1] == set()  # still loading
+    deadline = time.monotonic() + 5
+    recving: set[str] = set()
+    while not recving and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _, recving, failed = worker.get_transfer_results(set())
+    assert recving == {"a"} and failed == set()  # one group: its blocks are load errors
+    assert worker.take_load_errors() == {b for it in items for b in it.block_ids}
+    assert worker.stats.take()["load_errors:no_answer"] == 2
+    gate.set()  # the store answers late
+    time.sleep(0.2)
+    assert worker.get_transfer_results(set())[1] == set()  # reported once
+    assert torch.equal(cache, before)  # nothing scattered
+    worker.shutdown()
+
+
 @pytest.mark.parametrize("why", ["reset", "sleep"])
 def test_an_async_load_stopped_by_a_reset_or_sleep_fails_and_never_scatters(tmp_path, why):
     # reset: what it reads may be KV of the old weights; sleep (vLLM 0.33 unregisters the

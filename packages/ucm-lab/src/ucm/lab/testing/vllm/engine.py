@@ -1,6 +1,6 @@
 """Run ``ucm.lab.testing.vllm.run_engine`` in a fresh process (a fresh vLLM, nothing in its
 own cache): a child of the tests' zygote, which imported vLLM once (``ucm.lab.testing.zygote``),
-or under a ``prefix`` (another network namespace) a new interpreter."""
+under a ``prefix`` too (``ip netns exec HOST``: the child joins the host's namespaces)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def start_engine(spec: dict[str, Any], prefix: Sequence[str] = ()) -> subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     command = [sys.executable, "-m", "ucm.lab.testing.vllm.run_engine", json.dumps(spec)]
     return subprocess.Popen(
-        [*prefix, *(command if prefix else forked(command))],
+        [*prefix, *forked(command)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
 

