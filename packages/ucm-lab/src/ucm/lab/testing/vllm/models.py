@@ -355,12 +355,16 @@ def make_word_tokenizer(dir: str | os.PathLike[str], vocab_size: int = 1024) -> 
     8 up) is the word ``w{i-8}``, so ``words(ids)`` spells any token prompt as text.
 
     Its own folder, passed to ``vllm serve --tokenizer``: a tokenizer beside the model's
-    config.json would be loaded as the model type's own tokenizer class.
+    config.json would be loaded as the model type's own tokenizer class.  The folder holds a
+    model config too (the tiny Llama's, its class named in tokenizer_config.json still
+    decides): vLLM reads one from a tokenizer's folder, and where there is none retries for
+    2 s, in the API server and again in the engine core, at every server's start.
     """
     tokenizer = _word_tokenizer(CHAT_SPECIALS, vocab_size - len(CHAT_SPECIALS))
     tokenizer.chat_template = CHAT_TEMPLATE
     d = Path(dir)
     tokenizer.save_pretrained(d)
+    _write_config(d, {**tiny_llama_config(), "vocab_size": vocab_size})
     return d
 
 
