@@ -250,19 +250,27 @@ def test_preemption_does_not_wait_for_dumps(tmp_path):
     worker.shutdown()
 
 
+def loading_from_a_gated_store(tmp_path, **kw):
+    """Two blocks stored, and a fresh worker (``kw``: its settings) whose async load of them
+    has started on a store that answers once the returned gate is set: (worker, its cache,
+    a copy of the cache before the load, the items, the gate)."""
+    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
+    items = chain_items(2)
+    writer, _ = worker_on(inner)
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
+    writer.shutdown()  # waits the dumps
+    gate = threading.Event()
+    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate), **kw)
+    before = cache.clone()
+    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
+    return worker, cache, before, items, gate
+
+
 def test_request_aborted_while_loading_is_reported_and_its_blocks_untouched(tmp_path):
     # vLLM keeps a request aborted in WAITING_FOR_REMOTE_KVS, and its blocks, until the
     # workers report it finished receiving: the worker must report it (it never scatters
     # a cancelled load, so the blocks are free to go at once).
-    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
-    items = chain_items(2)
-    writer, cache = worker_on(inner)
-    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
-    writer.shutdown()  # waits the dumps
-    gate = threading.Event()
-    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
-    before = cache.clone()
-    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
+    worker, cache, before, items, gate = loading_from_a_gated_store(tmp_path)
     _, recving, failed = worker.get_transfer_results(set())
     assert recving == set()  # still loading
     _, recving, failed = worker.get_transfer_results({"a"})  # aborted by the client
@@ -281,15 +289,7 @@ def test_an_async_load_the_store_does_not_answer_fails_after_load_timeout_s(tmp_
     # A stalled store (a transfer stuck on the network, a hung filesystem) holds the request
     # in WAITING_FOR_REMOTE_KVS only for load_timeout_s: then its blocks are load errors,
     # vLLM recomputes them, and what the store answers later is never scattered.
-    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
-    items = chain_items(2)
-    writer, _ = worker_on(inner)
-    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
-    writer.shutdown()
-    gate = threading.Event()
-    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate), load_timeout_s=0.3)
-    before = cache.clone()
-    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
+    worker, cache, before, items, gate = loading_from_a_gated_store(tmp_path, load_timeout_s=0.3)
     assert worker.get_transfer_results(set())[1] == set()  # still loading
     deadline = time.monotonic() + 5
     recving: set[str] = set()
@@ -310,15 +310,7 @@ def test_an_async_load_the_store_does_not_answer_fails_after_load_timeout_s(tmp_
 def test_an_async_load_stopped_by_a_reset_or_sleep_fails_and_never_scatters(tmp_path, why):
     # reset: what it reads may be KV of the old weights; sleep (vLLM 0.33 unregisters the
     # caches before freeing them): nothing may land in them.  vLLM recomputes the blocks.
-    inner = PosixStore(PosixStoreConfig(path=str(tmp_path / "store")))
-    items = chain_items(2)
-    writer, _ = worker_on(inner)
-    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", items)]))
-    writer.shutdown()
-    gate = threading.Event()
-    worker, cache = worker_on(GatedStore(PosixStore(inner.config), gate))
-    before = cache.clone()
-    worker.start_load_kv(StepPlan(loads=[Transfer("a", items)]))
+    worker, cache, before, items, gate = loading_from_a_gated_store(tmp_path)
     if why == "reset":
         worker.start_load_kv(StepPlan(reset="forget", reset_loads=["a"]))
     else:

@@ -46,8 +46,8 @@ from ucm.lab.vllm.bench_systems import (
     QUIET_ENV,
     System,
     describe,
-    make_system,
     remove_host_stores,
+    run_each,
 )
 from ucm.lab.vllm.demo import engine_env
 from ucm.lab.vllm.serve_process import ServeProcess, has_vllm_dist
@@ -426,22 +426,13 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
         **engine_env(), **QUIET_ENV, "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(settings["kv_space_gib"]),
     }  # fmt: skip
-    results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
+    starters = starters or Starters()
     try:
-        for name in names:
-            print(f"[{name}]", file=sys.stderr)
-            try:
-                system = make_system(
-                    name, work, args.block_tokens, args.lmcache_chunk_tokens,
-                    args.lmcache_python, args.store_cpus,
-                )  # fmt: skip
-            except ValueError as exc:
-                results[name] = {"system": name, "refused": str(exc)}
-                continue
-            results[name] = run_system(
-                system, args, common, env, work, model, tokenizer, starters or Starters()
-            )
+        results = run_each(
+            names, work, args,
+            lambda system: run_system(system, args, common, env, work, model, tokenizer, starters),
+        )  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
         remove_host_stores()

@@ -47,8 +47,8 @@ from ucm.lab.vllm.bench_systems import (
     SYSTEMS,
     System,
     describe,
-    make_system,
     remove_host_stores,
+    run_each,
 )
 from ucm.lab.vllm.demo import DEMO_MODEL, engine_env
 from ucm.lab.vllm.multiround import MultiRoundWorkload
@@ -285,20 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     model = os.path.join(work, "model")
     os.makedirs(model)
     Path(model, "config.json").write_text(json.dumps(model_config))
-    results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     try:
-        for name in names:
-            print(f"[{name}]", file=sys.stderr)
-            try:
-                system = make_system(
-                    name, work, args.block_tokens, args.lmcache_chunk_tokens,
-                    args.lmcache_python, args.store_cpus,
-                )  # fmt: skip
-            except ValueError as exc:
-                results[name] = {"system": name, "refused": str(exc)}
-                continue
-            results[name] = run_system(system, args, workload, work, model)
+        results = run_each(
+            names, work, args, lambda system: run_system(system, args, workload, work, model)
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         remove_host_stores()

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -141,6 +141,27 @@ def make_system(
         }
         return System(name, ["--kv-transfer-config", json.dumps(config)])
     raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+
+
+def run_each(
+    names: Sequence[str], work: str, args: Any, run: Callable[[System], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Each system of ``names`` made (``make_system`` with ``args``' block_tokens,
+    lmcache_chunk_tokens, lmcache_python and store_cpus) and run by ``run``, in order: name
+    -> its result, or why it was refused."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        print(f"[{name}]", file=sys.stderr)
+        try:
+            system = make_system(
+                name, work, args.block_tokens, args.lmcache_chunk_tokens, args.lmcache_python,
+                args.store_cpus,
+            )  # fmt: skip
+        except ValueError as exc:
+            results[name] = {"system": name, "refused": str(exc)}
+            continue
+        results[name] = run(system)
+    return results
 
 
 def _ucm_store(kind: str, work: str) -> Mapping[str, Any]:
