@@ -63,15 +63,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture in getattr(item, "fixturenames", ()):
             for marker in FIXTURE_MARKERS.get(fixture, ()):
                 item.add_marker(marker)
-    # the long ones first, then those that mostly wait on Mooncake's clients (a client's
-    # close holds the GIL for a second), so that neither is left for last while the other
-    # workers have nothing to do (a stable sort: each module's own order is kept)
-    items.sort(
-        key=lambda item: (
-            item.get_closest_marker("engine") is None,
-            item.get_closest_marker("mooncake") is None,
-        )
-    )
+    # the long ones first (a stable sort: each module's own order is kept)
+    items.sort(key=lambda item: item.get_closest_marker("engine") is None)
 
 
 def mooncake_missing(*binaries: str) -> str | None:
