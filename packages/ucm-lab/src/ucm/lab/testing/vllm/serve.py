@@ -7,7 +7,6 @@ servers with and without the connector compare exactly while requests go one at 
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -64,12 +63,6 @@ class Server(ServeProcess):
         from openai import OpenAI
 
         return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
-
-    def reset_prefix_cache(self) -> None:
-        """Empty vLLM's own prefix cache (a server started with VLLM_SERVER_DEV_MODE=1)."""
-        ask = urllib.request.Request(f"{self.url}/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(ask, timeout=30) as answer:
-            assert answer.status == 200, answer.status
 
 
 def complete(client: Any, prompt: list[int], max_tokens: int = 8, **kw: Any) -> dict[str, Any]:
