@@ -204,6 +204,16 @@ def _timed(call):
     return value, time.monotonic() - started
 
 
+def _until_connected(store, within: float = 30.0):
+    """Wait until ``store`` has its master.  Its own wait at start-up is ``timeout_s``, short in
+    these tests; Mooncake's client set-up retries every ~4.4 s, longer on a loaded machine."""
+    deadline = time.monotonic() + within
+    while not store.connected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.connected, f"no master within {within} s"
+    return store
+
+
 def test_start_up_without_a_master_serves_then_connects(tmp_path):
     from ucm.core.store.mooncake.store import MooncakeStore
     from ucm.lab.mooncake import LocalMaster
@@ -221,10 +231,7 @@ def test_start_up_without_a_master_serves_then_connects(tmp_path):
         assert all(r.status is Status.ERROR for r in dumped) and took < NO_WAIT
         assert "unreachable" in dumped[0].detail
         master.start()
-        deadline = time.monotonic() + 20  # Mooncake's set-up retries every ~4.4 s
-        while not store.connected and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert store.connected
+        _until_connected(store)
         assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
         assert store.lookup(keys) == [True] * 4
     finally:
@@ -237,7 +244,7 @@ def test_a_killed_master_costs_one_wait_then_nothing_and_restarts(tmp_path):
     from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
-        store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
+        store = _until_connected(MooncakeStore(mooncake_config(master, timeout_s=1.0)))
         try:
             keys = [key(i) for i in range(8)]
             data = [blob(i, 50_000) for i in range(8)]
@@ -291,7 +298,7 @@ def test_a_killed_master_is_found_out_before_the_next_request(tmp_path):
     from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
-        store = MooncakeStore(mooncake_config(master, timeout_s=2.0))
+        store = _until_connected(MooncakeStore(mooncake_config(master, timeout_s=2.0)))
         try:
             keys = [key(i, b"next") for i in range(4)]
             data = [blob(i, 50_000) for i in range(4)]
@@ -314,7 +321,7 @@ def test_a_dump_in_flight_when_the_master_dies_settles(tmp_path):
     from ucm.lab.mooncake import LocalMaster
 
     with LocalMaster(log_path=str(tmp_path / "master.log")) as master:
-        store = MooncakeStore(mooncake_config(master, timeout_s=1.0))
+        store = _until_connected(MooncakeStore(mooncake_config(master, timeout_s=1.0)))
         try:
             keys = [key(i, b"inflight") for i in range(64)]
             task = store.dump(keys, [blob(i, 200_000) for i in range(64)])
@@ -406,7 +413,7 @@ def _master_on_host_m(tmp_path, **settings):
             lab.address("m"), netns=lab.namespace("m"), log_path=str(tmp_path / "master.log")
         )
         with master:
-            yield lab, MooncakeStore(mooncake_config(master, **settings))
+            yield lab, _until_connected(MooncakeStore(mooncake_config(master, **settings)))
 
 
 @pytest.mark.root
@@ -430,10 +437,7 @@ def test_a_partition_from_the_master_is_waited_on_once(tmp_path):
                 loaded, took = _timed(lambda: store.wait(store.load(keys, out), 1))  # noqa: B023
                 assert all(r.status is Status.MISS for r in loaded) and took < NO_WAIT
             lab.link_up("m")
-            deadline = time.monotonic() + 30
-            while not store.connected and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert store.connected
+            _until_connected(store)
             out = [np.zeros_like(d) for d in data]  # the same master: its blocks are there
             assert all(r.ok for r in store.wait(store.load(keys, out), 10))
             for got, want in zip(out, data):
@@ -460,10 +464,7 @@ def test_a_master_cut_off_between_two_requests_costs_the_next_one_nothing(tmp_pa
             found, took = _timed(lambda: store.lookup(keys))
             assert found == [False] * 4 and took < NO_WAIT
             lab.link_up("m")
-            deadline = time.monotonic() + 30
-            while not store.connected and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert store.connected
+            _until_connected(store)
         finally:
             store.close()
 
@@ -550,10 +551,7 @@ def test_the_leader_killed_costs_nothing_and_dumps_land_on_the_new_one(ha_hosts,
         )  # fmt: skip
         store = MooncakeStore(config)
         try:
-            connected = time.monotonic() + 20  # a loaded machine may take longer than timeout_s
-            while not store.connected and time.monotonic() < connected:
-                time.sleep(0.1)
-            assert store.connected
+            _until_connected(store)
             keys = [key(i, b"ha") for i in range(4)]
             data = [blob(i, 50_000) for i in range(4)]
             assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
