@@ -119,3 +119,40 @@ def test_100k_requests_leave_no_state():
     assert len(t) == 0
     assert t._tasks == {} and t._finished == set()
     assert t.counts.ok + t.counts.failed == 200_000
+
+
+def test_a_thread_that_waits_does_the_work_it_is_offered_until_none_is_left():
+    task = Task(3)
+    left = [0, 1, 2]
+    ran_on = []
+
+    def work() -> bool:
+        if not left:
+            return False
+        index = left.pop(0)
+        ran_on.append(threading.current_thread().name)
+        task.set_result(index, OK)
+        return True
+
+    task.help_with(work)
+    assert task.wait(1.0) == [OK] * 3
+    assert ran_on == [threading.current_thread().name] * 3
+
+
+def test_a_thread_that_waits_starts_no_work_once_its_time_is_out():
+    import time
+
+    task = Task(1)  # never finished by anybody
+    calls = []
+
+    def work() -> bool:
+        calls.append(time.monotonic())
+        time.sleep(0.1)
+        return True  # more left, always
+
+    task.help_with(work)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        task.wait(0.25)
+    assert len(calls) == 3 and all(c - started < 0.25 for c in calls)
+    assert time.monotonic() - started < 0.5

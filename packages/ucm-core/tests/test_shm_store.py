@@ -16,7 +16,7 @@ import pytest
 from ucm.core.config import DramStoreConfig, parse_store_config
 from ucm.core.settings import ConfigError
 from ucm.core.store import SharedMemoryStore, Status, create_store
-from ucm.core.store.dram.shared import mount_of
+from ucm.core.store.dram.shared import chunk_size, mount_of
 from ucm.lab.testing.core import blob, flip_shared_block_byte, key
 
 WRITER = """
@@ -105,3 +105,35 @@ def test_process_scope_is_the_private_store():
     config = DramStoreConfig(capacity_gb=0.01, scope="process", preallocate=True)
     with create_store(config) as store:
         assert isinstance(store, DramStore)
+
+
+def test_a_thread_that_waits_for_a_batch_copies_it_when_the_store_threads_are_busy(shm_dir):
+    """A vLLM worker waits for its sync loads with its compute core idle, while the store's
+    threads share the one core vLLM leaves to everything else: the waiting thread takes the
+    chunks no store thread has taken yet.  Here the store's only thread is held elsewhere,
+    and a dump and a load still finish, on the thread that waits for them."""
+    import threading
+
+    store = SharedMemoryStore(DramStoreConfig(path=str(shm_dir), capacity_gb=0.0625, threads=1))
+    held = threading.Event()
+    store._pool.submit(held.wait, 30)  # the store's only thread, busy
+    try:
+        keys = [key(i, b"help") for i in range(12)]
+        data = [blob(i, 300_000) for i in range(12)]
+        assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+        out = [np.zeros_like(d) for d in data]
+        assert all(r.ok for r in store.wait(store.load(keys, out), 10))
+        for got, want in zip(out, data):
+            np.testing.assert_array_equal(got, want)
+    finally:
+        held.set()
+        store.close()
+
+
+def test_a_batch_makes_a_chunk_for_each_thread_and_the_one_that_waits():
+    kib = 1 << 10
+    assert chunk_size(66, 256 * kib, 2) == 22  # three chunks: two threads and a waiter
+    assert chunk_size(4, 256 * kib, 2) == 4  # 1 MiB: not worth a second thread
+    assert chunk_size(640, 256 * kib, 2) == 32  # at most CHUNK keys
+    assert chunk_size(8, 4 << 20, 2) == 2  # and 8 MiB
+    assert chunk_size(1, 64 << 20, 4) == 1

@@ -65,10 +65,12 @@ class RankBlocks:
 
     def keys(self, items: list[Item]) -> list[bytes]:
         """This rank's store keys of ``items``."""
-        rank = self.layout.rank
-        return [
-            scoped_keys([it.chain_key], self.layout.scope(self.group(it), rank))[0] for it in items
-        ]
+        rank, groups = self.layout.rank, self.layout.groups
+        if len({it.group for it in items}) == 1:  # a batch: one scope
+            scope = self.layout.scope(groups[items[0].group], rank)
+            return scoped_keys([it.chain_key for it in items], scope)
+        return [scoped_keys([it.chain_key], self.layout.scope(groups[it.group], rank))[0]
+                for it in items]  # fmt: skip
 
     def batch(
         self, store: Store, group: int, items: list[Item], keys: list[bytes] | None = None

@@ -13,7 +13,8 @@ requests only for one group.
 
 Where the store only copies from host memory (``Store.reads_from_memory``: the dram store),
 the cache is on the CPU and a stored block is one engine block, a sync load reads straight
-into the engine's blocks: no host row, no scatter.  Blocks that fail are load errors like
+into the engine's blocks, in one piece: no host row, no scatter.  The worker's thread, which
+would otherwise wait with its core idle, copies beside the store's threads.  Blocks that fail are load errors like
 any other, so vLLM recomputes them over whatever the read left there; a load that times out
 is cancelled and waited for (a memory copy ends at once), so no read lands after vLLM has
 taken its blocks back.
@@ -221,7 +222,11 @@ class Loads:
                 )
 
     def _pieces(self, transfer: Transfer) -> list[Transfer]:
-        """``transfer`` cut into runs of items of about ``piece_bytes``."""
+        """``transfer`` cut into runs of items of about ``piece_bytes`` (read in place, one:
+        no rows to bound, no scatter to overlap, and the store spreads one batch over its
+        threads and the thread that waits)."""
+        if self.in_place:
+            return [transfer]
         pieces: list[Transfer] = []
         size = 0
         for item in transfer.items:

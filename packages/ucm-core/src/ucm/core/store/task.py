@@ -77,6 +77,7 @@ class Task:
         "_callbacks",
         "_cancelled",
         "_event",
+        "_help",
         "_idle",
         "_lock",
         "_parts",
@@ -94,6 +95,7 @@ class Task:
         self._cancelled = False
         self._callbacks: list[Callable[[Task], Any]] = []
         self._parts: list[Task] = []  # sub-tasks of a combined task, cancelled with it
+        self._help: Callable[[], bool] | None = None  # see help_with
         if n == 0:
             self._event.set()
 
@@ -220,7 +222,24 @@ class Task:
         with self._lock:
             return list(self._results)
 
+    def help_with(self, work: Callable[[], bool]) -> None:
+        """Let a thread that waits for this task do some of its work meanwhile: ``work()``
+        runs one piece the store's threads have not taken yet, and returns False when none
+        is left.  A thread that waits would otherwise idle on its core while the store's
+        threads copy on theirs (a vLLM worker's sync load waits with its compute core idle,
+        its store threads on the one core vLLM leaves to everything else)."""
+        self._help = work
+
     def wait(self, timeout: float | None = None) -> list[KeyResult]:
+        work = self._help
+        if work is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            # a piece is a memory copy of a few MiB: started only while time is left
+            while not self._event.is_set() and (deadline is None or time.monotonic() < deadline):
+                if not work():
+                    self._help = None  # nothing left to take (and no cycle kept alive)
+                    break
+            timeout = _left(deadline)
         if not self._event.wait(timeout):
             raise TimeoutError(f"{self._remaining} of {len(self._results)} keys still in flight")
         return [r for r in self._results if r is not None]

@@ -4,7 +4,8 @@ For each block size, the same bytes go through
   * raw buffered file I/O (one file, sequential writes then reads) and the posix store;
   * raw O_DIRECT file I/O and the posix store with ``o_direct``;
   * memcpy into and out of pre-faulted memory, on one thread and on as many threads as the
-    host tier copies with (``memcpy xN``: the memory's limit for that many cores, and the
+    host tier copies with (``memcpy xN``: its copy threads and the thread that waits for
+    them, which takes blocks too; the memory's limit for that many threads, and the
     baseline of every dram case), the dram store (scope process), the dram
     store in shared memory (scope host, what vLLM uses), that store written in place (the
     caller copies each block into the slot the store hands out, as vLLM's worker gathers
@@ -416,7 +417,8 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     )
                 )
                 opened = [posix, direct, dram, shared]
-                threads = shared.config.threads
+                # the shared store copies on its threads and on the thread that waits
+                threads = shared.config.threads + 1
                 floor = memcpy_case(threads)  # every dram case's baseline
                 cases = [
                     ("raw file", lambda: raw_file(raw_dir, srcs, dsts, n, False), None),
