@@ -10,7 +10,8 @@ KV space and CPU threads (``ucm.lab.vllm.bench_systems`` starts them):
   vllm-floor  vLLM alone, pass 2 on the server that served pass 1: the KV is in the engine
               already, nothing moves (the floor no store can go under);
   ucm-posix, ucm-dram, ucm-tiered, lmcache: pass 1 stores every prompt, the server is
-              restarted, and each run of pass 2 starts with vLLM's own cache emptied
+              restarted and warmed up on prompts that are not the run's (as pass 1 warmed
+              the floor's), and each run of pass 2 starts with vLLM's own cache emptied
               (``POST /reset_prefix_cache``): every hit comes from the store.
 
 Pass 2 runs once per prefix length and concurrency (one request at a time, then
@@ -53,6 +54,8 @@ from ucm.lab.vllm.serve_process import ServeProcess, has_vllm_dist
 from ucm.lab.vllm.serve_report import PERCENTILES, label
 
 SYSTEMS = ("vllm", "vllm-floor", "ucm-posix", "ucm-dram", "ucm-tiered", "lmcache")
+#: added to the seed of the prompts that warm a restarted server up: none is the run's
+WARM_UP_SEED = 7919
 #: the systems every other is set against
 BASELINES = ("vllm-floor", "lmcache")
 #: a Llama whose compute is quick on a CPU host for its KV bytes (16 KiB a token in float32):
@@ -273,6 +276,7 @@ def run_system(
         if restarts:
             server.stop()
             server = _start(starters.server, system, common, env, work, model, 1)
+            _warm_up(starters, server, tokenizer, args, work)
         for concurrency in args.concurrency:
             for length in args.lengths:
                 if not system.floor:
@@ -302,6 +306,25 @@ def run_system(
         if system.sidecar is not None:
             system.sidecar.stop()
     return {"system": system.name, "ran": ran, "runs": runs}
+
+
+def _warm_up(
+    starters: Starters,
+    server: ServeProcess,
+    tokenizer: str,
+    args: argparse.Namespace,
+    work: str,
+) -> None:
+    """A restarted server's first requests pay for first use (the engine's kernels on new
+    shapes, the store's first reads into this process), which the floor's server paid in
+    pass 1: two prompts of each length that are not the run's (another seed), asked twice,
+    the second time from the store, before anything is timed."""
+    warm = argparse.Namespace(**{**vars(args), "seed": args.seed + WARM_UP_SEED, "prefixes": 2})
+    for length in args.lengths:
+        for again in (False, True):
+            if again:
+                server.reset_prefix_cache()
+            _client(starters, server, tokenizer, length, warm, 1, Path(work, "warm-up.json"))
 
 
 def _start(
