@@ -80,6 +80,32 @@ def test_ratios_are_per_length_and_concurrency():
     assert "| 512 | 1 | UCM, dram | 0.110 s" in bench_peer.markdown(runs)
 
 
+def test_rounds_pool_their_requests_and_each_system_is_set_against_the_floor_beside_it():
+    def run(system, ttfts, beside=None):
+        out = {**_run(system, p50=ttfts[0]), "ttfts_s": ttfts}
+        return out if beside is None else {**out, "beside": beside}
+
+    # the machine ran at half speed while LMCache and the floor beside it were measured
+    raw = [
+        run("vllm-floor", [0.10, 0.10], "ucm-dram"), run("ucm-dram", [0.11, 0.11]),
+        run("vllm-floor", [0.10, 0.10], "ucm-dram"), run("ucm-dram", [0.11, 0.11]),
+        run("vllm-floor", [0.20, 0.20], "lmcache"), run("lmcache", [0.24, 0.24]),
+    ]  # fmt: skip
+    pooled = {r["system"]: r for r in bench_peer.rows(raw)}
+    assert pooled["ucm-dram"]["rounds"] == 2 and len(pooled["ucm-dram"]["ttfts_s"]) == 4
+    assert pooled["vllm-floor"]["rounds"] == 3
+    floor = {r["system"]: r["ttft_p50_s"] for r in ratios(raw, "vllm-floor")}
+    assert floor == pytest.approx({"ucm-dram": 1.1, "lmcache": 1.2})
+    # against LMCache through the floor: 1.1 / 1.2, not 0.11 / 0.24
+    against = {r["system"]: r["ttft_p50_s"] for r in ratios(raw, "lmcache")}
+    assert against == pytest.approx({"ucm-dram": 1.1 / 1.2, "vllm-floor": 1 / 1.2})
+    assert "| 512 | 1 | UCM, dram | 0.110 s | 0.110 s | 0.110 s | 1.10, 1.10, 1.10 | 0.92" in (
+        bench_peer.markdown(raw)
+    )
+    # percentiles over every request of the rounds, as vLLM's client computes them
+    assert bench_peer.pool([run("x", [1.0, 2.0]), run("x", [3.0, 4.0])])["ttft_p50_s"] == 2.5
+
+
 def test_the_dtype_follows_the_cpu_and_the_floor_holds_every_prompt():
     assert dtype("auto", {"avx512f", "amx_bf16"}) == "bfloat16"
     assert dtype("auto", {"avx512f", "avx2"}) == "float32"  # bf16 matmuls 3x slower there
@@ -102,7 +128,7 @@ def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, cap
     report_path = tmp_path / "report.json"
     code = bench_peer.main(
         ["--systems", "vllm-floor,ucm-dram", "--lengths", "256", "--prefixes", "2",
-         "--concurrency", "2", "--output", "2", "--dtype", "float32",
+         "--concurrency", "2", "--output", "2", "--dtype", "float32", "--rounds", "2",
          "--json", str(report_path)],
         Starters(server=from_the_zygote, client=client),
     )  # fmt: skip
@@ -115,7 +141,10 @@ def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, cap
     # token is computed); the connector is asked for all but the last token
     assert runs["vllm-floor"]["reused_tokens"] == 2 * 288
     assert runs["ucm-dram"]["reused_tokens"] == 2 * 319
-    assert runs["ucm-dram"]["completed"] == 2
+    assert runs["ucm-dram"]["rounds"] == 2 and len(runs["ucm-dram"]["ttfts_s"]) == 4
+    # each of UCM's runs follows one of the floor's, on the floor's server kept up
+    assert [(r["system"], r.get("beside")) for r in report["rounds"]] == [
+        ("vllm-floor", "ucm-dram"), ("ucm-dram", None)] * 2  # fmt: skip
     assert [r["system"] for r in report["against_vllm-floor"]] == ["ucm-dram"]
     assert "| 256 | 2 | UCM, dram |" in capsys.readouterr().err
 

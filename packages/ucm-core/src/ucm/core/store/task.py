@@ -234,7 +234,8 @@ class Task:
         work = self._help
         if work is not None:
             deadline = None if timeout is None else time.monotonic() + timeout
-            # a piece is a memory copy of a few MiB: started only while time is left
+            # a piece is started only while time is left, and ends within its own bound (a
+            # copy of a few MiB, or the dram arena's lock wait, LOCK_WAIT_S)
             while not self._event.is_set() and (deadline is None or time.monotonic() < deadline):
                 if not work():
                     self._help = None  # nothing left to take (and no cycle kept alive)

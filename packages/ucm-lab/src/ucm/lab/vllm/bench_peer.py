@@ -14,13 +14,17 @@ KV space and CPU threads (``ucm.lab.vllm.bench_systems`` starts them):
               the floor's), and each run of pass 2 starts with vLLM's own cache emptied
               (``POST /reset_prefix_cache``): every hit comes from the store.
 
-Pass 2 runs once per prefix length and concurrency (one request at a time, then
-``--concurrency`` at once), the prompts of each length those of pass 1 (the same seed).  The
-client's readiness probe and warm-up requests are off: they would compute a prompt of the
-run before it is timed.  Reported per length and concurrency: TTFT p50 / p90 / p99 from the
-client's own result, the ratios to the floor and to LMCache, and the prompt tokens each
-system reused (``/metrics``: vLLM's own hits and the connector's), which must be the same
-for every system but the cold one.  JSON last.
+Pass 2 runs ``--rounds`` times per prefix length and concurrency (one request at a time,
+then ``--concurrency`` at once), the prompts of each length those of pass 1 (the same
+seed).  The floor's server stays up for the whole benchmark and runs the same pass 2 right
+before each of another system's runs: a system is set against the floor's runs taken beside
+its own, and two systems against each other through their ratios to the floor, since a
+shared host's speed moves by more than the gaps measured here between runs minutes apart.
+The client's readiness probe and warm-up requests are off: they would compute a prompt of
+the run before it is timed.  Reported per length and concurrency: TTFT p50 / p90 / p99 over
+every request of the rounds, the ratios to the floor and to LMCache, and the prompt tokens
+each system reused a round (``/metrics``: vLLM's own hits and the connector's), which must
+be the same for every system but the cold one.  JSON last.
 
     python -m ucm.lab.vllm.bench_peer [--lengths 512,2048,8192] [--prefixes 8] ...
 """
@@ -32,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,11 +46,13 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 from ucm.lab.vllm.bench_serve import BLOCK_SIZE, MODEL_NAME, cpuinfo, machine
 from ucm.lab.vllm.bench_systems import (
     QUIET_ENV,
     System,
     describe,
+    make_system,
     remove_host_stores,
     run_each,
 )
@@ -165,18 +172,69 @@ def check_reuse(runs: Sequence[Mapping[str, Any]], prefixes: int) -> list[str]:
     return out
 
 
+def pool(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One row of ``runs`` (rounds of one system, length and concurrency): the TTFT
+    percentiles of all their requests together (linear, as vLLM's client computes them);
+    where a run kept no request's TTFT, the median of the runs' own percentiles."""
+    first = runs[0]
+    row: dict[str, Any] = {
+        "system": first["system"], "length": first["length"],
+        "concurrency": first["concurrency"], "rounds": len(runs),
+        "reused_tokens": first.get("reused_tokens", 0),
+    }  # fmt: skip
+    ttfts = [t for r in runs for t in r.get("ttfts_s") or ()]
+    whole = all(r.get("ttfts_s") for r in runs)
+    for p in PERCENTILES:
+        key = f"ttft_p{p}_s"
+        if whole:
+            row[key] = float(np.percentile(ttfts, p))
+        else:
+            row[key] = statistics.median(r[key] for r in runs)
+    if whole:
+        row["ttfts_s"] = ttfts
+    return row
+
+
+def _group(runs: Sequence[Mapping[str, Any]], **match: Any) -> list[Mapping[str, Any]]:
+    return [r for r in runs if all(r.get(k) == v for k, v in match.items())]
+
+
+def rows(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A pooled row (:func:`pool`) per system, length and concurrency, in the order met."""
+    keys = dict.fromkeys((r["system"], r["length"], r["concurrency"]) for r in runs)
+    return [pool(_group(runs, system=s, length=n, concurrency=c)) for s, n, c in keys]
+
+
+def _floor_beside(runs: Sequence[Mapping[str, Any]], system: str, length: int, c: int):
+    """The floor's row of the runs taken beside ``system``'s (any of its runs of that
+    length and concurrency where none was)."""
+    near = _group(runs, system="vllm-floor", length=length, concurrency=c, beside=system)
+    return pool(near or _group(runs, system="vllm-floor", length=length, concurrency=c))
+
+
 def ratios(runs: Sequence[Mapping[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Each system's TTFT percentiles over ``baseline``'s of the same length and
-    concurrency."""
-    base = {(r["length"], r["concurrency"]): r for r in runs if r["system"] == baseline}
+    concurrency.  Against the floor, over the floor's runs taken beside the system's (each
+    round runs the floor's server, then the system's); against another system, where both
+    were run beside the floor, the ratio of their ratios to it, so that the machine's speed
+    in between cancels out."""
     out = []
-    for r in runs:
-        b = base.get((r["length"], r["concurrency"]))
-        if r["system"] == baseline or b is None:
+    for r in rows(runs):
+        n, c = r["length"], r["concurrency"]
+        b_runs = _group(runs, system=baseline, length=n, concurrency=c)
+        if r["system"] == baseline or not b_runs:
             continue
-        row: dict[str, Any] = {
-            "system": r["system"], "length": r["length"], "concurrency": r["concurrency"],
-        }  # fmt: skip
+        b = pool(b_runs)
+        if r["system"] == "vllm-floor":  # the floor's runs beside the baseline's
+            r = _floor_beside(runs, baseline, n, c)
+        elif baseline != "vllm-floor":
+            mine = _group(runs, system="vllm-floor", length=n, concurrency=c, beside=r["system"])
+            theirs = _group(runs, system="vllm-floor", length=n, concurrency=c, beside=baseline)
+            if mine and theirs:
+                r, b = _over(r, pool(mine)), _over(b, pool(theirs))
+        else:
+            b = _floor_beside(runs, r["system"], n, c)
+        row: dict[str, Any] = {"system": r["system"], "length": n, "concurrency": c}
         for p in PERCENTILES:
             key = f"ttft_p{p}_s"
             row[key] = r[key] / b[key] if b.get(key) else math.nan
@@ -184,32 +242,37 @@ def ratios(runs: Sequence[Mapping[str, Any]], baseline: str) -> list[dict[str, A
     return out
 
 
+def _over(row: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    return {**row, **{f"ttft_p{p}_s": row[f"ttft_p{p}_s"] / base[f"ttft_p{p}_s"]
+                      for p in PERCENTILES}}  # fmt: skip
+
+
 def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
-    """One row per system, length and concurrency: TTFT percentiles, the ratios to the
-    floor and to LMCache, the tokens reused."""
-    by = {(r["system"], r["length"], r["concurrency"]): r for r in runs}
+    """One row per system, length and concurrency: TTFT percentiles over its rounds, the
+    ratios to the floor and to LMCache (:func:`ratios`), the tokens reused a round."""
+    against = {
+        b: {(r["system"], r["length"], r["concurrency"]): r for r in ratios(runs, b)}
+        for b in BASELINES
+    }
     head = (
         "| prefix | in flight | system | TTFT p50 | p90 | p99 | / floor (p50, p90, p99) "
         "| / LMCache (p50, p90, p99) | reused tokens |\n"
         "|---|---|---|---|---|---|---|---|---|\n"
     )
-    rows = []
-    for r in sorted(runs, key=lambda r: (r["length"], r["concurrency"], SYSTEMS.index(r["system"])
-                                          if r["system"] in SYSTEMS else 99)):  # fmt: skip
+    lines = []
+    for r in sorted(rows(runs), key=lambda r: (r["length"], r["concurrency"],
+                    SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else 99)):  # fmt: skip
         cells = []
         for baseline in BASELINES:
-            b = by.get((baseline, r["length"], r["concurrency"]))
-            if b is None or r["system"] == baseline:
-                cells.append("")
-                continue
-            cells.append(", ".join(f"{r[f'ttft_p{p}_s'] / b[f'ttft_p{p}_s']:.2f}"
-                                   for p in PERCENTILES))  # fmt: skip
-        rows.append(
+            ratio = against[baseline].get((r["system"], r["length"], r["concurrency"]))
+            cells.append("" if ratio is None else ", ".join(
+                f"{ratio[f'ttft_p{p}_s']:.2f}" for p in PERCENTILES))  # fmt: skip
+        lines.append(
             f"| {r['length']} | {r['concurrency']} | {label(r['system'])} "
             + "".join(f"| {r[f'ttft_p{p}_s']:.3f} s " for p in PERCENTILES)
             + f"| {cells[0]} | {cells[1]} | {r['reused_tokens']} |"
         )
-    return head + "\n".join(rows) + "\n"
+    return head + "\n".join(lines) + "\n"
 
 
 def kv_space_gib(model: Mapping[str, Any], torch_dtype: str, tokens: int) -> int:
@@ -245,21 +308,61 @@ class Starters:
     client: Sequence[str] = attrs.field(factory=bench_command)
 
 
-def run_system(
-    system: System,
-    args: argparse.Namespace,
-    common: list[str],
-    env: dict[str, str],
-    work: str,
-    model: str,
-    tokenizer: str,
-    starters: Starters,
-) -> dict[str, Any]:
+@attrs.frozen
+class Bench:
+    """What every server and client of one benchmark shares."""
+
+    args: argparse.Namespace
+    common: list[str]  # every server's arguments
+    env: dict[str, str]  # every server's environment
+    work: str  # the run's folder
+    model: str
+    tokenizer: str
+    starters: Starters
+
+    def start(self, system: System, phase: int) -> ServeProcess:
+        """``system``'s server, ready (``phase``: 0 before a restart, 1 after)."""
+        log = os.path.join(self.work, f"{system.name}-{phase}.log")
+        server = self.starters.server(self.model, [*self.common, *system.serve_args], log,
+                                      env=self.env, python=system.python)  # fmt: skip
+        try:
+            return server.wait_ready()
+        except RuntimeError:
+            server.kill()
+            raise
+
+    def client(
+        self,
+        server: ServeProcess,
+        length: int,
+        concurrency: int,
+        result: Path,
+        args: argparse.Namespace | None = None,
+    ) -> dict[str, Any]:
+        """One run of vLLM's client against ``server`` (its prompts from ``args``, the
+        benchmark's by default); its figures."""
+        result.unlink(missing_ok=True)
+        asked = client_args(server.url, self.tokenizer, length, args or self.args, concurrency,
+                            result)  # fmt: skip
+        done = subprocess.run([*self.starters.client, *asked], capture_output=True, text=True,
+                              env={**os.environ, **QUIET_ENV}, timeout=3600)  # fmt: skip
+        if done.returncode != 0 or not result.is_file():
+            raise RuntimeError(
+                f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}"
+            )
+        figures = read_result(result)
+        if figures["failed"]:
+            raise RuntimeError(f"{figures['failed']} requests failed:\n{done.stdout[-3000:]}")
+        return figures
+
+
+def run_system(system: System, bench: Bench, floor: ServeProcess | None = None) -> dict[str, Any]:
     """Pass 1 (where the system keeps something), the restart (where it has a store), then
-    pass 2 at every concurrency and length; the runs, or why the system did not start."""
-    keeps = system.name != "vllm"
-    restarts = keeps and not system.floor
-    ran = describe(system, common)
+    pass 2: ``args.rounds`` runs at every concurrency and length, each after a run of
+    ``floor`` (the floor's server, up for the whole benchmark) where one is given; the runs,
+    or why the system did not start."""
+    args = bench.args
+    ran = describe(system, bench.common)
     runs: list[dict[str, Any]] = []
     if system.sidecar is not None:
         try:
@@ -268,34 +371,19 @@ def run_system(
             return {"system": system.name, "ran": ran, "refused": str(exc)[-600:]}
     server = None
     try:
-        server = _start(starters.server, system, common, env, work, model, 0)
-        if keeps:
-            for length in args.lengths:
-                _client(starters, server, tokenizer, length, args, 1, Path(work, "pass1.json"))
-            print(f"  {system.name}: pass 1 done", file=sys.stderr)
-        if restarts:
-            server.stop()
-            server = _start(starters.server, system, common, env, work, model, 1)
-            _warm_up(starters, server, tokenizer, args, work)
+        server = start_system(system, bench)
         for concurrency in args.concurrency:
             for length in args.lengths:
-                if not system.floor:
-                    server.reset_prefix_cache()
-                before = server.metrics()
-                result = Path(work, f"{system.name}-{length}-{concurrency}.json")
-                figures = _client(starters, server, tokenizer, length, args, concurrency, result)
-                runs.append(
-                    {
-                        "system": system.name,
-                        "length": length,
-                        "concurrency": concurrency,
-                        **figures,
-                        "reused_tokens": reused_tokens(before, server.metrics()),
-                    }  # fmt: skip
-                )
+                for _ in range(args.rounds):
+                    if floor is not None:
+                        runs.append(_timed(bench, floor, "vllm-floor", length, concurrency,
+                                           beside=system.name))  # fmt: skip
+                    if not system.floor:
+                        server.reset_prefix_cache()
+                    runs.append(_timed(bench, server, system.name, length, concurrency))
                 print(
                     f"  {system.name}: {length}-token prefixes, {concurrency} in flight: "
-                    f"TTFT p50 {figures['ttft_p50_s']:.3f} s",
+                    f"TTFT p50 {pool(runs[-1:])['ttft_p50_s']:.3f} s (last round)",
                     file=sys.stderr,
                 )
     except RuntimeError as exc:
@@ -308,65 +396,58 @@ def run_system(
     return {"system": system.name, "ran": ran, "runs": runs}
 
 
-def _warm_up(
-    starters: Starters,
+def start_system(system: System, bench: Bench) -> ServeProcess:
+    """``system``'s server ready for pass 2: pass 1 run on it (where it keeps something),
+    restarted and warmed up (where it has a store)."""
+    keeps = system.name != "vllm"
+    server = bench.start(system, 0)
+    try:
+        if keeps:
+            for length in bench.args.lengths:
+                bench.client(server, length, 1, Path(bench.work, "pass1.json"))
+            print(f"  {system.name}: pass 1 done", file=sys.stderr)
+        if keeps and not system.floor:
+            server.stop()
+            server = bench.start(system, 1)
+            _warm_up(bench, server)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _timed(
+    bench: Bench,
     server: ServeProcess,
-    tokenizer: str,
-    args: argparse.Namespace,
-    work: str,
-) -> None:
+    name: str,
+    length: int,
+    concurrency: int,
+    beside: str | None = None,
+) -> dict[str, Any]:
+    """One timed run of pass 2 on ``server`` (system ``name``): its figures and the prompt
+    tokens it reused; ``beside``: the system whose run follows (a floor's run)."""
+    before = server.metrics()
+    result = Path(bench.work, f"{name}-{length}-{concurrency}.json")
+    figures = bench.client(server, length, concurrency, result)
+    run = {"system": name, "length": length, "concurrency": concurrency, **figures,
+           "reused_tokens": reused_tokens(before, server.metrics())}  # fmt: skip
+    if beside is not None:
+        run["beside"] = beside
+    return run
+
+
+def _warm_up(bench: Bench, server: ServeProcess) -> None:
     """A restarted server's first requests pay for first use (the engine's kernels on new
     shapes, the store's first reads into this process), which the floor's server paid in
     pass 1: two prompts of each length that are not the run's (another seed), asked twice,
     the second time from the store, before anything is timed."""
+    args = bench.args
     warm = argparse.Namespace(**{**vars(args), "seed": args.seed + WARM_UP_SEED, "prefixes": 2})
     for length in args.lengths:
         for again in (False, True):
             if again:
                 server.reset_prefix_cache()
-            _client(starters, server, tokenizer, length, warm, 1, Path(work, "warm-up.json"))
-
-
-def _start(
-    start: Launcher,
-    system: System,
-    common: list[str],
-    env: dict[str, str],
-    work: str,
-    model: str,
-    phase: int,
-) -> ServeProcess:
-    log = os.path.join(work, f"{system.name}-{phase}.log")
-    server = start(model, [*common, *system.serve_args], log, env=env, python=system.python)
-    try:
-        return server.wait_ready()
-    except RuntimeError:
-        server.kill()
-        raise
-
-
-def _client(
-    starters: Starters,
-    server: ServeProcess,
-    tokenizer: str,
-    length: int,
-    args: argparse.Namespace,
-    concurrency: int,
-    result: Path,
-) -> dict[str, Any]:
-    """One run of vLLM's client against ``server``; its figures."""
-    result.unlink(missing_ok=True)
-    command = [*starters.client, *client_args(server.url, tokenizer, length, args, concurrency,
-                                              result)]  # fmt: skip
-    done = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, **QUIET_ENV}, timeout=3600
-    )
-    if done.returncode != 0 or not result.is_file():
-        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    figures = read_result(result)
-    if figures["failed"]:
-        raise RuntimeError(f"{figures['failed']} requests failed:\n{done.stdout[-3000:]}")
-    return figures
+            bench.client(server, length, 1, Path(bench.work, "warm-up.json"), warm)
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -383,6 +464,9 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
     p.add_argument("--output", type=int, default=4, help="tokens generated per request")
     p.add_argument("--concurrency", type=_csv_ints, default=[1, 4],
                    help="requests in flight in pass 2 (a run for each)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of pass 2 a system, length and concurrency, each beside one of "
+                        "the floor's")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -405,6 +489,7 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
     settings = {
         "lengths": args.lengths, "prefixes": args.prefixes, "suffix": args.suffix,
         "output": args.output, "concurrency": args.concurrency, "seed": args.seed,
+        "rounds": args.rounds,
         "dtype": torch_dtype, "model": MODEL, "block_size": BLOCK_SIZE,
         "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
         "systems": names, "machine": machine(),
@@ -425,26 +510,37 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
         "VLLM_CPU_KVCACHE_SPACE": str(settings["kv_space_gib"]),
     }  # fmt: skip
     started = time.monotonic()
-    starters = starters or Starters()
+    bench = Bench(args, common, env, work, model, tokenizer, starters or Starters())
+    floor: ServeProcess | None = None
     try:
-        results = run_each(
-            names, work, args,
-            lambda system: run_system(system, args, common, env, work, model, tokenizer, starters),
-        )  # fmt: skip
+        others = names
+        if "vllm-floor" in names and len(names) > 1:
+            # the floor's server serves pass 2 beside every other system's (see --rounds)
+            print("[vllm-floor]", file=sys.stderr)
+            floor_system = make_system("vllm-floor", work, args.block_tokens, 0)
+            floor = start_system(floor_system, bench)
+            others = [n for n in names if n != "vllm-floor"]
+        results = run_each(others, work, args, lambda system: run_system(system, bench, floor))
+        if floor is not None:
+            results["vllm-floor"] = {"ran": describe(floor_system, common)}
     finally:
+        if floor is not None:
+            floor.stop()
         shutil.rmtree(work, ignore_errors=True)
         remove_host_stores()
-    runs = [run for r in results.values() for run in r.get("runs", [])]
+    raw = [run for r in results.values() for run in r.get("runs", [])]
+    runs = rows(raw)
     report = {
         "settings": settings,
         "runs": runs,
+        "rounds": raw,
         "refused": {n: r["refused"] for n, r in results.items() if "refused" in r},
         "ran": {n: r["ran"] for n, r in results.items() if "ran" in r},
-        **{f"against_{b}": ratios(runs, b) for b in BASELINES},
-        "reuse_differs": check_reuse(runs, args.prefixes),
+        **{f"against_{b}": ratios(raw, b) for b in BASELINES},
+        "reuse_differs": check_reuse(raw, args.prefixes),
         "seconds": time.monotonic() - started,
     }
-    print("\n" + markdown(runs), file=sys.stderr)
+    print("\n" + markdown(raw), file=sys.stderr)
     for line in report["reuse_differs"]:
         print(f"reuse differs: {line}", file=sys.stderr)
     for name, why in report["refused"].items():
