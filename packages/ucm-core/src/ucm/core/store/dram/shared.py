@@ -90,10 +90,10 @@ def chunk_keys(nbytes: int) -> int:
 def chunk_size(n: int, nbytes: int, threads: int) -> int:
     """Keys a chunk of a batch of ``n`` blocks of ``nbytes`` holds: :func:`chunk_keys`, or
     fewer, so that the batch makes a chunk for each of ``threads`` copy threads and a thread
-    that waits.  (Smaller chunks cost more in hand-overs of the GIL than they win in
-    balance: 66 blocks of 256 KiB, two threads and a waiter, two cores, loaded in 2.0-2.4
-    ms in three chunks, 2.2-2.8 in six, 3.0-3.4 in nine.)  A chunk holds
-    :data:`MIN_CHUNK_BYTES` at least: below, a second thread costs more than it copies."""
+    that waits.  A chunk holds :data:`MIN_CHUNK_BYTES` at least: each costs a hold of the
+    arena's lock and hand-overs of the GIL.  (Two copy threads and a waiter on two cores,
+    in one process: 66 blocks of 256 KiB load alike in three, six or nine chunks, 2.2-2.8
+    ms; 8 blocks in 0.49 ms as two chunks, 0.59 as three, 0.93 as eight.)"""
     least = -(-MIN_CHUNK_BYTES // max(nbytes, 1))
     return max(1, min(chunk_keys(nbytes), max(least, -(-n // (threads + 1)))))
 
