@@ -65,12 +65,12 @@ class RankBlocks:
 
     def keys(self, items: list[Item]) -> list[bytes]:
         """This rank's store keys of ``items``."""
-        rank, groups = self.layout.rank, self.layout.groups
-        if len({it.group for it in items}) == 1:  # a batch: one scope
-            scope = self.layout.scope(groups[items[0].group], rank)
-            return scoped_keys([it.chain_key for it in items], scope)
-        return [scoped_keys([it.chain_key], self.layout.scope(groups[it.group], rank))[0]
-                for it in items]  # fmt: skip
+        keys: list[bytes] = [b""] * len(items)
+        for group, where in positions(items, lambda it: it.group).items():  # one scope each
+            scope = self.layout.scope(self.layout.groups[group], self.layout.rank)
+            for p, key in zip(where, scoped_keys([items[p].chain_key for p in where], scope)):
+                keys[p] = key
+        return keys
 
     def batch(
         self, store: Store, group: int, items: list[Item], keys: list[bytes] | None = None

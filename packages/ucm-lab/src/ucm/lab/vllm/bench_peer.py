@@ -224,16 +224,16 @@ def ratios(runs: Sequence[Mapping[str, Any]], baseline: str) -> list[dict[str, A
         b_runs = _group(runs, system=baseline, length=n, concurrency=c)
         if r["system"] == baseline or not b_runs:
             continue
-        b = pool(b_runs)
-        if r["system"] == "vllm-floor":  # the floor's runs beside the baseline's
-            r = _floor_beside(runs, baseline, n, c)
-        elif baseline != "vllm-floor":
+        if baseline == "vllm-floor":
+            b = _floor_beside(runs, r["system"], n, c)
+        elif r["system"] == "vllm-floor":  # the floor's runs beside the baseline's
+            r, b = _floor_beside(runs, baseline, n, c), pool(b_runs)
+        else:
             mine = _group(runs, system="vllm-floor", length=n, concurrency=c, beside=r["system"])
             theirs = _group(runs, system="vllm-floor", length=n, concurrency=c, beside=baseline)
+            b = pool(b_runs)
             if mine and theirs:
                 r, b = _over(r, pool(mine)), _over(b, pool(theirs))
-        else:
-            b = _floor_beside(runs, r["system"], n, c)
         row: dict[str, Any] = {"system": r["system"], "length": n, "concurrency": c}
         for p in PERCENTILES:
             key = f"ttft_p{p}_s"
@@ -383,7 +383,7 @@ def run_system(system: System, bench: Bench, floor: ServeProcess | None = None) 
                     runs.append(_timed(bench, server, system.name, length, concurrency))
                 print(
                     f"  {system.name}: {length}-token prefixes, {concurrency} in flight: "
-                    f"TTFT p50 {pool(runs[-1:])['ttft_p50_s']:.3f} s (last round)",
+                    f"TTFT p50 {runs[-1]['ttft_p50_s']:.3f} s (last round)",
                     file=sys.stderr,
                 )
     except RuntimeError as exc:
