@@ -33,7 +33,7 @@ HARNESS = re.compile(
     r"(bench|demo)(_\w+)?|serve_\w+|testing|netlab|daemon|multiround|mooncake_master"
 )
 # what a wheel holds beside its sources: the libraries its build hook compiles (hatch_build.py)
-COMPILED = {"ucm-core": {"ucm/core/store/dram/libucm_sealed_moves.so"}}
+COMPILED = {"ucm-core": {"ucm/core/libucm_native.so"}}
 # a distribution's name -> the top-level module it is imported as, where the two differ
 # the repository's licence, which every distribution ships (a copy beside each pyproject.toml:
 # an sdist cannot hold a file from outside its project)

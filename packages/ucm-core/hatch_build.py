@@ -1,10 +1,12 @@
-"""Build ucm-core's one compiled part, the dram store's sealed copies (``native/``).
+"""Build ucm-core's one compiled part (``native/``): the block digest and the dram store's
+sealed copies.
 
 It is a plain shared library loaded with ctypes, not a Python extension, so one wheel serves
 every Python version of a platform (``py3-none-<platform>``).  Where no C compiler is found,
-or it fails, the wheel is built without it, pure Python, and says why: the store then copies
-through Python, correct and slower (``ucm.core.store.dram.sealing``), rather than an install
-failing for want of a speed-up.
+or it fails, the wheel is built without it, pure Python, and says why: digests are then
+computed with numpy and the dram store copies through Python, correct and slower
+(``ucm.core.digest``, ``ucm.core.store.dram.sealing``), rather than an install failing for
+want of a speed-up.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-LIBRARY = "ucm/core/store/dram/libucm_sealed_moves.so"
-SOURCES = ["native/sealed_moves.c", "native/xxh3.c"]
+LIBRARY = "ucm/core/libucm_native.so"
+SOURCES = ["native/digest.c", "native/sealed_moves.c"]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fvisibility=hidden"]
 
 
@@ -47,6 +49,7 @@ class CompiledMoves(BuildHookInterface):
 
     def _without(self, why: str) -> None:
         self.app.display_warning(
-            f"ucm-core: {why}\nThe wheel is pure Python: the dram store's copies run in "
-            "Python, slower (install gcc and the C library's headers, then rebuild)."
+            f"ucm-core: {why}\nThe wheel is pure Python: block digests and the dram store's "
+            "copies run in Python, slower (install gcc and the C library's headers, then "
+            "rebuild)."
         )

@@ -1,4 +1,4 @@
-/* The dram store's copies, a batch in one call: each block hashed (xxh3-64) and copied.
+/* The dram store's copies, a batch in one call: each block digested (digest.h) and copied.
  *
  * Why compiled: a block of 256 KiB copies in about 25 us, and the Python routine around
  * each copy (one xxh3 call and one numpy copy, each releasing and taking back the GIL)
@@ -7,15 +7,15 @@
  * releases it around foreign calls), so one thread's bookkeeping in Python overlaps the
  * other's copies.  See ucm/core/store/dram/sealing.py, its only caller, for the contract.
  *
- * The seal is the same xxh3-64 the xxhash package computes, over the same bytes, so blocks
- * sealed with or without this library check alike (xxh3.c: our own, SSE2, AVX2 or AVX-512
- * chosen at run time on x86-64).
+ * The seal is the block's digest (digest.h), the one every other path computes over the
+ * same bytes (ucm/core/digest.py, a GPU's copy kernels), so blocks sealed with or without
+ * this library check alike.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "xxh3.h"
+#include "digest.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h> /* SSE2: in every x86-64 */
 #define STREAMING_STORES 1
@@ -68,20 +68,22 @@ static void copy_into_slot(uint8_t *dst, const uint8_t *src, size_t n) {
  *   mode CHECK: hash the slot only (``nparts`` are 0);
  *   mode INTO_SLOT: copy the parts into the slot, hashing the parts;
  *   mode OUT_OF_SLOT: copy the slot into the parts, hashing the parts once written.
- * ``seals[i]`` gets the xxh3-64 of the block's bytes.  Returns the blocks moved. */
+ * ``seals[i]`` gets the digest of the block's bytes.  Returns the blocks moved. */
 __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
     uint64_t count, int mode, const uint64_t *slots, const uint64_t *lengths,
     const uint64_t *nparts, const uint64_t *part_addr, const uint64_t *part_len,
     uint64_t *seals) {
-    ucm_xxh3_state state;
+    ucm_digest_state state;
     uint64_t p = 0;
     for (uint64_t i = 0; i < count; i++) {
         uint8_t *slot = (uint8_t *)(uintptr_t)slots[i];
         if (mode == CHECK) {
-            seals[i] = ucm_xxh3_64(slot, (size_t)lengths[i]);
+            ucm_digest_reset(&state);
+            ucm_digest_update(&state, slot, (size_t)lengths[i]);
+            seals[i] = ucm_digest_final(&state);
             continue;
         }
-        ucm_xxh3_reset(&state);
+        ucm_digest_reset(&state);
         uint64_t at = 0;
         for (uint64_t k = 0; k < nparts[i]; k++, p++) {
             uint8_t *part = (uint8_t *)(uintptr_t)part_addr[p];
@@ -89,16 +91,16 @@ __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
             for (uint64_t off = 0; off < n; off += PIECE) {
                 size_t m = (size_t)(n - off < PIECE ? n - off : PIECE);
                 if (mode == INTO_SLOT) {
-                    ucm_xxh3_update(&state, part + off, m);
+                    ucm_digest_update(&state, part + off, m);
                     copy_into_slot(slot + at + off, part + off, m);
                 } else {
                     memcpy(part + off, slot + at + off, m);
-                    ucm_xxh3_update(&state, part + off, m);
+                    ucm_digest_update(&state, part + off, m);
                 }
             }
             at += n;
         }
-        seals[i] = ucm_xxh3_digest(&state);
+        seals[i] = ucm_digest_final(&state);
     }
 #ifdef STREAMING_STORES
     _mm_sfence(); /* the streamed bytes are in memory before the caller publishes them */

@@ -3,8 +3,8 @@ import time
 import pytest
 from ucm.core.keys import KEY_BYTES, Namespace, block_keys, token_bytes
 
-NS_HEX = "4e7c118f7a53a705ebd1f70c8dc7b246"
-KEYS_HEX = ["d11d82a3b9dfb76d2056d317f397d882", "3a14ab28d5b4aab5f1c6541fe7dd95f6"]
+NS_HEX = "aedf84fad39dcf49f7fc4073aa4c4cb5"
+KEYS_HEX = ["0c141fcb2f2397a0e2ee3f50808e05c7", "a05e14801bbacd93868c8fc69512753d"]
 NS = Namespace(model="llama-3-8b@abc:bf16", layout="vllm:bf16:L32:H8:D128")
 
 

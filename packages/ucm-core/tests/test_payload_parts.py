@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 import xxhash
+from ucm.core.digest import block_digest
 from ucm.core.block_format import HEADER_BYTES, decode_header
 from ucm.core.config import DramStoreConfig, PosixStoreConfig
 from ucm.core.store import DramStore, Payload, PosixStore, Status, TieredStore
@@ -66,7 +67,7 @@ def test_stored_file_is_the_one_buffer_format(tmp_path):
         with open(block.path, "rb") as f:
             raw = f.read()
         header = decode_header(raw[:HEADER_BYTES], expect_key=key(5))
-        assert header.payload_checksum == xxhash.xxh3_64_intdigest(data)
+        assert header.payload_checksum == block_digest(data)
         assert raw[HEADER_BYTES:] == data
 
 

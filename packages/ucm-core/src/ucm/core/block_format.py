@@ -3,11 +3,14 @@
 Layout (all integers little-endian)::
 
     offset 0     magic "UCMB", format version (u16), header bytes (u16), flags (u32)
-                 key (16 bytes), payload length (u64), payload xxh3-64 (u64),
+                 key (16 bytes), payload length (u64), payload digest (u64),
                  layout descriptor length (u16), layout descriptor (UTF-8)
                  [signed blocks: MAC (32 bytes)]
                  header xxh3-64 (u64) over everything before it, zero padding
     offset 4096  payload
+
+The payload's digest is UCM's own (:mod:`ucm.core.digest`), which a GPU's copy kernels
+compute as they gather a block; version 1 held its xxh3-64.
 
 Upgrades: a change to this format bumps ``FORMAT_VERSION`` and the keys' namespace tag
 (:mod:`ucm.core.keys`), so two versions never write the same name.  A block of another
@@ -19,8 +22,8 @@ reads and writes then need no re-alignment, and the checksum of the header itsel
 torn or overwritten header is detected like a bad payload.
 
 A signed block (flag ``SIGNED``, written by a store with a secret: :mod:`ucm.core.signing`)
-carries a MAC over its header (up to the layout, with a zero payload checksum) and payload
-in place of the xxh3 payload checksum.  A store with a secret takes no unsigned block and a
+carries a MAC over its header (up to the layout, with a zero payload digest) and payload
+in place of the payload's digest.  A store with a secret takes no unsigned block and a
 store without one no signed block: either is a miss.
 """
 
@@ -33,11 +36,13 @@ from typing import Any
 
 import attrs
 import xxhash
+from ucm.core.digest import Digest, block_digest
 from ucm.core.keys import KEY_BYTES
 from ucm.core.signing import MAC_BYTES, BlockSigner
 
 MAGIC = b"UCMB"
-FORMAT_VERSION = 1
+#: 2: the payload's digest is :mod:`ucm.core.digest`'s (1: xxh3-64)
+FORMAT_VERSION = 2
 HEADER_BYTES = 4096
 MAX_LAYOUT_BYTES = 1024
 #: header flags
@@ -85,13 +90,8 @@ def payload_nbytes(payload: PayloadBytes) -> int:
 
 
 def payload_checksum(payload: PayloadBytes) -> int:
-    parts = _parts(payload)
-    if len(parts) == 1:
-        return xxhash.xxh3_64_intdigest(parts[0])
-    hasher = xxhash.xxh3_64()  # streaming xxh3 equals the one-shot digest of the whole
-    for part in parts:
-        hasher.update(part)
-    return hasher.intdigest()
+    """The payload's digest (:func:`ucm.core.digest.block_digest`)."""
+    return block_digest(payload)
 
 
 def encode_header(
@@ -192,10 +192,10 @@ def decode_header(
 
 def payload_hasher(header: BlockHeader, signer: BlockSigner | None = None) -> Any:
     """What checks ``header``'s payload: ``update`` it with the payload, in order, then
-    :func:`check_payload`.  An xxh3-64 hasher, or the MAC of a signed block (fed the header
+    :func:`check_payload`.  A :class:`~ucm.core.digest.Digest`, or the MAC of a signed block (fed the header
     bytes it covers already)."""
     if signer is None:
-        return xxhash.xxh3_64()
+        return Digest()
     mac = signer.hasher()
     mac.update(header.signed)
     return mac

@@ -20,7 +20,7 @@ import xxhash
 from ucm.core.settings import int_at_least
 
 KEY_BYTES = 16
-_NAMESPACE_TAG = b"ucm-namespace-v1"
+_NAMESPACE_TAG = b"ucm-namespace-v2"  # v2: block format 2 (the payload digest)
 
 
 @attrs.frozen

@@ -33,8 +33,9 @@ from ucm.core.store.dram.files import ArenaBusy, flock_until, open_own
 from ucm.core.store.dram.index import EMPTY
 
 MAGIC = int.from_bytes(b"UCMARNA1", "little")
-#: 2: a key's home bucket is a salted hash of it; 3: a slot's owner is a writer number
-VERSION = 3
+#: 2: a key's home bucket is a salted hash of it; 3: a slot's owner is a writer number;
+#: 4: a seal is the block's digest (:mod:`ucm.core.digest`), not its xxh3-64
+VERSION = 4
 PAGE = 4096
 DATA_ALIGN = 2 << 20
 SEAL_BYTES = 32

@@ -1,7 +1,9 @@
 """Copies into and out of the arena's slots, each block sealed as it moves.
 
-A block's seal is its xxh3-64, or with a secret the keyed MAC of its name (the index
-words), layout, length and bytes; a load checks it against the one stored at the dump.
+A block's seal is its digest (:mod:`ucm.core.digest`), or with a secret the keyed MAC of its
+name (the index words), layout, length and bytes; a load checks it against the one stored
+at the dump.  A GPU's copy kernels compute the same digest as they gather a block into the
+store's memory, and the store then only books it (:meth:`SlotWrites.commit`).
 
 :func:`move_sealed_batch` moves a chunk of blocks in one call to the compiled library built
 with ucm-core's wheel (``native/sealed_moves.c``), which holds the GIL once for the whole
@@ -14,18 +16,16 @@ compute the same seal.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 import numpy as np
-import xxhash
+from ucm.core import native
+from ucm.core.digest import Digest, block_digest
 from ucm.core.signing import BlockSigner
 from ucm.core.store.payload import address_of
 
-#: the compiled library, beside this module in a wheel built with a C compiler
-LIBRARY = Path(__file__).with_name("libucm_sealed_moves.so")
 #: parts smaller than this are copied by memoryview (numpy's call costs more than it saves)
 NUMPY_COPY_MIN = 64 << 10
 _HEADER = struct.Struct("<QQQQ")  # what a MAC covers before the payload: name, layout, length
@@ -35,18 +35,8 @@ _CHECK, _INTO_SLOT, _OUT_OF_SLOT = 0, 1, 2  # the library's modes
 Move = tuple[Sequence[memoryview], memoryview]
 
 
-def _load_library() -> ctypes.CDLL | None:
-    try:
-        library = ctypes.CDLL(str(LIBRARY))
-    except OSError:
-        return None
-    move = library.ucm_move_sealed
-    move.argtypes = [ctypes.c_uint64, ctypes.c_int, *[ctypes.c_void_p] * 6]  # uint64 arrays
-    move.restype = ctypes.c_uint64
-    return library
-
-
-_LIBRARY = _load_library()
+#: the compiled library (None: a pure-Python wheel; tests set it None)
+_LIBRARY = native.NATIVE
 
 
 def compiled() -> bool:
@@ -123,11 +113,12 @@ def move_sealed(
     (2 MiB blocks: 1.47 of one thread's memcpy on two threads whole, 0.61 in pieces)."""
     if signer is None and len(parts) == 1:  # most blocks: one piece, one call each
         src, dst = (parts[0], slot) if into else (slot, parts[0])
-        digest = xxhash.xxh3_64_intdigest(src)
+        digest = block_digest(src)
         _copy(dst, src)
         return digest.to_bytes(8, "little")
+    hasher: Any
     if signer is None:
-        hasher = xxhash.xxh3_64()
+        hasher = Digest()
     else:
         hasher = signer.hasher()
         hasher.update(_HEADER.pack(*words, layout_word, slot.nbytes))

@@ -1,0 +1,31 @@
+/* UCM's block digest: the checksum of a block's payload, defined once for every place that
+ * computes it (this library, the Python fallback in ucm/core/digest.py, and a GPU's copy
+ * kernels in ucm/kernels/digest.py), so a block sealed by any of them checks with the others.
+ *
+ * The payload is read as little-endian 64-bit words w_j (the last one zero-padded).  Each
+ * word adds, modulo 2**64,
+ *
+ *     v = w_j ^ (j + 1) * P1,    lo32(v) * hi32(v) + rotl64(w_j, 32)
+ *
+ * to a sum, and the digest is the sum mixed with the payload's length (finish below).  A
+ * word's term depends only on its value and its place, so any piece of a payload sums on
+ * its own and the pieces' sums add up: a GPU sums thousands of pieces at once, a CPU eight
+ * lanes a vector.  Not a MAC: a signed store's blocks carry a keyed one instead. */
+#ifndef UCM_DIGEST_H
+#define UCM_DIGEST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    uint64_t sum;    /* of the terms of the whole words given so far */
+    uint64_t words;  /* whole words given so far */
+    uint8_t held[8]; /* bytes of the next word, not yet whole */
+    uint32_t nheld;  /* 0-7 */
+} ucm_digest_state;
+
+void ucm_digest_reset(ucm_digest_state *st);
+void ucm_digest_update(ucm_digest_state *st, const uint8_t *p, size_t n);
+uint64_t ucm_digest_final(const ucm_digest_state *st);
+
+#endif

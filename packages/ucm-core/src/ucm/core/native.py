@@ -1,0 +1,31 @@
+"""ucm-core's compiled library (``native/``: the block digest, the dram store's sealed
+copies), loaded with ctypes where the wheel was built with a C compiler."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+#: beside this module in a wheel built with a C compiler (see hatch_build.py)
+LIBRARY = Path(__file__).with_name("libucm_native.so")
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        library = ctypes.CDLL(str(LIBRARY))
+    except OSError:
+        return None
+    u64, p = ctypes.c_uint64, ctypes.c_void_p
+    library.ucm_move_sealed.argtypes = [u64, ctypes.c_int, *[p] * 6]  # uint64 arrays
+    library.ucm_move_sealed.restype = u64
+    library.ucm_digest_sum.argtypes = [p, u64, u64]
+    library.ucm_digest_sum.restype = u64
+    library.ucm_digest.argtypes = [p, ctypes.c_size_t]
+    library.ucm_digest.restype = u64
+    library.ucm_digest_choose.argtypes = [ctypes.c_int]
+    library.ucm_digest_choose.restype = ctypes.c_int
+    return library
+
+
+#: the library, or None (a pure-Python wheel)
+NATIVE = _load()
