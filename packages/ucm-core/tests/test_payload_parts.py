@@ -6,9 +6,9 @@ import threading
 import numpy as np
 import pytest
 import xxhash
-from ucm.core.digest import block_digest
 from ucm.core.block_format import HEADER_BYTES, decode_header
 from ucm.core.config import DramStoreConfig, PosixStoreConfig
+from ucm.core.digest import block_digest
 from ucm.core.store import DramStore, Payload, PosixStore, Status, TieredStore
 from ucm.core.store.posix import scan_store, verify_block_file
 

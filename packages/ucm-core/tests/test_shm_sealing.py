@@ -10,9 +10,9 @@ import shutil
 
 import numpy as np
 import pytest
-from ucm.core.store import Status, create_store
 from ucm.core import digest, native
 from ucm.core.digest import block_digest
+from ucm.core.store import Status, create_store
 from ucm.core.store.dram import sealing
 from ucm.lab.testing.core import blob, flip_shared_block_byte, key
 

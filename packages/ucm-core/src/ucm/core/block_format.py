@@ -192,8 +192,8 @@ def decode_header(
 
 def payload_hasher(header: BlockHeader, signer: BlockSigner | None = None) -> Any:
     """What checks ``header``'s payload: ``update`` it with the payload, in order, then
-    :func:`check_payload`.  A :class:`~ucm.core.digest.Digest`, or the MAC of a signed block (fed the header
-    bytes it covers already)."""
+    :func:`check_payload`.  A :class:`~ucm.core.digest.Digest`, or the MAC of a signed
+    block (fed the header bytes it covers already)."""
     if signer is None:
         return Digest()
     mac = signer.hasher()

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
 from ucm.core import native
 
 P1 = 0x9E3779B185EBCA87
