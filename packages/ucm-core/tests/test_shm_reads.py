@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from ucm.core.digest import block_digest
 from ucm.core.store import SharedMemoryStore, Status, create_store
 from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
 
@@ -67,6 +68,30 @@ def test_a_lent_block_that_fails_its_seal_is_refused_and_dropped(shm_dir):
     assert [r.status for r in reads.task.wait(10)] == [Status.OK, Status.CORRUPT]
     assert reads.release() == [True, False]
     assert store.lookup([key(1), key(2)]) == [True, False]  # dropped when given back
+    store.close()
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_blocks_lent_unchecked_come_with_their_digests_and_the_caller_drops_the_bad(
+    shm_dir, monkeypatch, signed
+):
+    # a GPU checks what it copies out: the store only pins, and hands out the digests the
+    # blocks were sealed with; a signed store checks its MAC whatever is asked
+    monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
+    store = dram_store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
+    _dumped(store, [1, 2])
+    reads = store.open_reads([key(1), key(2), key(3)], SIZE, b"tag", check=False)
+    assert [r.status for r in reads.task.wait(10)] == [Status.OK, Status.OK, Status.MISS]
+    if signed:
+        assert reads.digests is None
+        assert reads.release() == [True, True, False]
+        store.close()
+        return
+    assert reads.digests == [block_digest(blob(1, SIZE)), block_digest(blob(2, SIZE)), None]
+    reads.drop([1])  # block 2 failed the caller's check
+    assert reads.release() == [True, True, False]
+    assert store.lookup([key(1), key(2)]) == [True, False]  # dropped when given back
+    assert store._arena.stats()["pinned"] == 0
     store.close()
 
 

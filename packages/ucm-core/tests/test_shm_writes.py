@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from ucm.core.digest import block_digest
 from ucm.core.store import SharedMemoryStore, Status, create_store
 from ucm.core.store.writes import SlotWrites
 from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
@@ -49,6 +50,34 @@ def test_blocks_written_in_place_load_as_if_dumped(shm_dir, monkeypatch, signed)
     assert store.wait(store.load([key(0)], [np.zeros(SIZE, np.uint8)], b"other"))[0].status is (
         Status.ERROR
     )
+    store.close()
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_digests_computed_by_the_copy_seal_the_blocks_without_the_store_reading_them(
+    shm_dir, monkeypatch, signed
+):
+    # a GPU's kernels digest the blocks as they gather them: the store books what it is
+    # given (a wrong digest is a block that fails its check at load: proof that the store
+    # never read it), except a signed store, whose MAC needs the bytes
+    monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
+    store = dram_store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
+    assert store.wait(store.dump([key(0)], [blob(0, SIZE)], b"tag"))[0].ok
+    ids = [0, 1, 2]
+    writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
+    assert writes.takes_digests is not signed and writes.views[0] is None
+    _fill(writes, ids)
+    digests = [None, block_digest(blob(1, SIZE)), block_digest(blob(2, SIZE)) ^ 1]
+    assert all(r.ok for r in store.wait(writes.commit(digests)))
+    results, out = _loaded(store, ids)
+    if signed:
+        assert all(r.ok for r in results)
+    else:
+        assert [r.status for r in results] == [Status.OK, Status.OK, Status.CORRUPT]
+    np.testing.assert_array_equal(out[1], blob(1, SIZE))
+    with pytest.raises(ValueError, match="2 digests for 3 keys"):  # the room goes back
+        store.open_writes([key(i) for i in (5, 6, 7)], SIZE, b"tag").commit([1, 2])
+    assert store._arena.stats()["writing"] == 0
     store.close()
 
 

@@ -144,12 +144,13 @@ class Store(abc.ABC):
         return None
 
     def open_reads(
-        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b"", *, check: bool = True
     ) -> SlotReads | None:
         """The stored blocks of ``keys`` (``nbytes`` each) lent where they lie in this
-        store's memory, checked, to be copied out by the caller and given back
-        (:mod:`.reads`); None where this store has no such memory: the caller loads into
-        buffers instead."""
+        store's memory, checked (``check=False``: unchecked where the store does not sign,
+        their stored digests given for the caller to check), to be copied out by the caller
+        and given back (:mod:`.reads`); None where this store has no such memory: the
+        caller loads into buffers instead."""
         return None
 
     def host_memory(self) -> list[memoryview]:

@@ -7,7 +7,12 @@ them out itself, for example a GPU's DMA engine straight into the engine's cache
 staging row and no copy on the store's threads.
 
 What a reader relies on does not change: a block is used only once its seal matched, and a
-block that fails it is dropped from the store when it is given back.  The slots are pinned
+block that fails it is dropped from the store when it is given back.  A caller that checks
+the bytes it copies out itself (a GPU's copy kernels compute each block's digest as they
+scatter it) asks for blocks lent unchecked (``open_reads(check=False)``): the store then
+only pins them and hands out the digests they were stored with (:attr:`SlotReads.digests`),
+and the caller names the blocks that failed (:meth:`SlotReads.drop`).  A store that signs
+checks its MAC itself whatever is asked.  The slots are pinned
 under a lease (the store's own, tens of seconds); a caller that kept a block past it finds
 it out from :meth:`SlotReads.release` and must not use what it copied.
 """
@@ -15,6 +20,7 @@ it out from :meth:`SlotReads.release` and must not use what it copied.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
 from ucm.core.store.task import Task
 
@@ -30,6 +36,14 @@ class SlotReads(abc.ABC):
 
     views: list[memoryview | None]
     task: Task
+    #: per key, the digest its block was stored with, where the blocks are lent unchecked
+    #: (``open_reads(check=False)``: ``OK`` in ``task`` means lent, and the caller checks
+    #: what it copies out against this); None where the store checked them itself
+    digests: list[int | None] | None = None
+
+    def drop(self, indices: Sequence[int]) -> None:  # noqa: B027 - stores that check need none
+        """Blocks the caller found corrupt as it copied them out (their digest is not the
+        stored one): removed from the store when given back."""
 
     @abc.abstractmethod
     def release(self) -> list[bool]:

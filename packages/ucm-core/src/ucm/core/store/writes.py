@@ -14,6 +14,7 @@ when their lease ends), and it is checked on every load.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
 from ucm.core.store.task import Task
 
@@ -27,11 +28,17 @@ class SlotWrites(abc.ABC):
     of :meth:`commit` and :meth:`abort`, and never touches a view afterwards."""
 
     views: list[memoryview | None]
+    #: whether :meth:`commit` books digests the caller computed instead of reading the
+    #: bytes (False for a store that signs: it computes its MAC from the bytes)
+    takes_digests: bool = False
 
     @abc.abstractmethod
-    def commit(self) -> Task:
+    def commit(self, digests: Sequence[int | None] | None = None) -> Task:
         """Seal and publish what the views hold, on the store's threads: one result per key,
-        as a dump's."""
+        as a dump's.  ``digests``: per key, the digest (:mod:`ucm.core.digest`) of what its
+        view holds, computed as it was copied in (a GPU's copy kernels; None where a key
+        has no view): a store that :attr:`takes_digests` seals with them and never reads
+        the bytes, another ignores them."""
 
     @abc.abstractmethod
     def abort(self) -> None:

@@ -4,26 +4,28 @@ An engine's lookups and its loads may run in different processes (vLLM asks its 
 process what is stored and moves blocks in its worker processes), and users expect host
 memory to survive an engine restart, so the host scope keeps its blocks in one arena file
 on a memory filesystem (:mod:`.arena`) that every process maps.  A dump or load is a copy
-into or out of a slot, sealed and verified as it moves: an xxh3 checksum, or the keyed MAC
-of a signed store, over the block as it lies in shared memory, checked on every load.
+into or out of a slot, sealed and verified as it moves: the block's digest
+(:mod:`ucm.core.digest`), or the keyed MAC of a signed store, over the block as it lies in
+shared memory, checked on every load.
 
 The arena's slots have one size, fixed by the first engine that writes: the block size
 workers announce at start-up (``check_block_bytes``), or the first block dumped.  A store
 whose arena holds other blocks and is in use elsewhere refuses at start-up with the
 path to change; an arena nobody holds is replaced.
 
-Copies run on ``threads`` threads, a batch's blocks dealt out among them: numpy copies and
-xxh3 release the GIL, so one thread's hashing overlaps another's copy and the store moves
+Copies run on ``threads`` threads, a batch's blocks dealt out among them: the compiled copies
+release the GIL, so one thread's hashing overlaps another's copy and the store moves
 blocks at memory speed with the checksum on.  Each thread reserves or pins its own share, a
 chunk at a time, so the caller's thread (an engine's) only checks the batch and hands it
 over.
 
 A caller that can write blocks where they will live asks for the slots instead
 (:meth:`SharedMemoryStore.open_writes`, :mod:`ucm.core.store.writes`): it copies into them
-and commits, and the threads only seal and publish.  One that can read them where they lie
-(a GPU's DMA engine, once the arena is registered with its driver: :meth:`host_memory`)
-borrows them (:meth:`SharedMemoryStore.open_reads`, :mod:`ucm.core.store.reads`): the
-threads only check their seals.
+and commits, and the threads only seal and publish (with the digests a GPU computed as it
+copied, without reading the bytes).  One that can read them where they lie (a GPU's DMA
+engine, once the arena is registered with its driver: :meth:`host_memory`) borrows them
+(:meth:`SharedMemoryStore.open_reads`, :mod:`ucm.core.store.reads`): the threads only check
+their seals, or nobody here does (``check=False``: the GPU checks what it copies out).
 """
 
 from __future__ import annotations
@@ -357,7 +359,9 @@ class SharedMemoryStore(Store):
             log.debug("ucm dram store: no room to write in place (%s)", exc)
             return None  # the caller dumps, and the dump reports what is wrong
         views = [None if isinstance(got, bool) else arena.slot(got[0], nbytes) for got in reserved]
-        return _ArenaWrites(self, arena, words, reserved, views, _layout_word(layout))
+        writes = _ArenaWrites(self, arena, words, reserved, views, _layout_word(layout))
+        writes.takes_digests = self._signer is None
+        return writes
 
     def _seal_chunk(
         self,
@@ -368,14 +372,19 @@ class SharedMemoryStore(Store):
         reserved: list[Any],
         views: list[memoryview],
         layout_word: int,
+        digests: Sequence[int | None] | None,
     ) -> list[KeyResult]:
-        """Seal and publish the blocks written in place into a chunk's slots."""
+        """Seal and publish the blocks written in place into a chunk's slots: with the
+        digests the caller computed as it copied them in, else read here."""
         written = [_unfilled(reserved[i]) for i in chunk]  # given back unless sealed
         try:
             if not task.cancelled:
-                moves: list[Move] = [((), views[i]) for i in chunk]
-                names = [words[i] for i in chunk]
-                seals = move_sealed_batch(self._signer, names, layout_word, moves, into=False)
+                if digests is not None and self._signer is None:
+                    seals = [int(digests[i]).to_bytes(8, "little") for i in chunk]  # type: ignore[arg-type]
+                else:
+                    moves: list[Move] = [((), views[i]) for i in chunk]
+                    names = [words[i] for i in chunk]
+                    seals = move_sealed_batch(self._signer, names, layout_word, moves, into=False)
                 if not task.cancelled:
                     written = [
                         (*reserved[i], views[i].nbytes, layout_word, seal)
@@ -461,7 +470,7 @@ class SharedMemoryStore(Store):
     # -- reads in place --
 
     def open_reads(
-        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b"", *, check: bool = True
     ) -> SlotReads | None:
         check_keys(keys)
         arena = self._attached()
@@ -488,6 +497,13 @@ class SharedMemoryStore(Store):
                 views.append(arena.slot(pin.slot, pin.length))
                 settled.append(None)
         reads = _ArenaReads(arena, pinned, views)
+        if not check and self._signer is None:  # the caller checks what it copies out
+            reads.digests = [
+                None if view is None else int.from_bytes(pin.seal[:8], "little")  # type: ignore[union-attr]
+                for view, pin in zip(views, pinned)
+            ]
+            reads.task = Task.completed([OK if r is None else r for r in settled])
+            return reads
         reads.task = self._spread(
             len(keys), nbytes, self._check_chunk, arena, words, reads, layout_word, settled=settled
         )
@@ -609,13 +625,18 @@ class _ArenaWrites(SlotWrites):
             raise RuntimeError("these writes were committed or aborted already")
         self._ended = True
 
-    def commit(self) -> Task:
+    def commit(self, digests: Sequence[int | None] | None = None) -> Task:
         self._end()
         settled = _settled(self._reserved)
         nbytes = max((view.nbytes for view in self.views if view is not None), default=0)
+        if digests is not None and len(digests) != len(self._reserved):
+            self._give_back(
+                [i for i, got in enumerate(self._reserved) if not isinstance(got, bool)]
+            )
+            raise ValueError(f"{len(digests)} digests for {len(self._reserved)} keys")
         return self._store._spread(
             len(self._reserved), nbytes, self._store._seal_chunk, self._arena, self._words,
-            self._reserved, self.views, self._layout_word, settled=settled,
+            self._reserved, self.views, self._layout_word, digests, settled=settled,
             undo=self._give_back,
         )  # fmt: skip
 
@@ -639,6 +660,9 @@ class _ArenaReads(SlotReads):
         self.bad: list[Pinned] = []  # appended to by the checks, on the store's threads
         self._arena = arena
         self._released = False
+
+    def drop(self, indices: Sequence[int]) -> None:
+        self.bad.extend(self.pinned[i] for i in indices if self.pinned[i] is not None)  # type: ignore[misc]
 
     def release(self) -> list[bool]:
         if self._released:

@@ -102,13 +102,13 @@ class TieredStore(Store):
         return None if writes is None else _TieredWrites(self, writes, keys, nbytes, layout)
 
     def open_reads(
-        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
+        self, keys: Sequence[bytes], nbytes: int, layout: bytes = b"", *, check: bool = True
     ) -> SlotReads | None:
         """The local tier's blocks, where it holds every one of ``keys`` (a block only the
         backing store holds is promoted by a load: None, and the caller loads)."""
         if not keys or not all(self.front.lookup(keys)):
             return None
-        return self.front.open_reads(keys, nbytes, layout)
+        return self.front.open_reads(keys, nbytes, layout, check=check)
 
     def host_memory(self) -> list[memoryview]:
         return self.front.host_memory()
@@ -263,6 +263,7 @@ class _TieredWrites(SlotWrites):
         layout: bytes,
     ) -> None:
         self.views = inner.views
+        self.takes_digests = inner.takes_digests
         self._store = store
         self._inner = inner
         self._keys = [bytes(k) for k in keys]
@@ -272,11 +273,11 @@ class _TieredWrites(SlotWrites):
     def abort(self) -> None:
         self._inner.abort()
 
-    def commit(self) -> Task:
+    def commit(self, digests: Sequence[int | None] | None = None) -> Task:
         store, keys, nbytes, layout = self._store, self._keys, self._nbytes, self._layout
         assert store.behind is not None
         behind = store.behind
-        local = self._inner.commit()
+        local = self._inner.commit(digests)
         whole = Task(len(keys))
         whole.add_part(local)
 
