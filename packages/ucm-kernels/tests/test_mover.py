@@ -185,6 +185,77 @@ def test_the_caller_decides_which_loaded_blocks_count_and_rows_go_back(device, s
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_blocks_digested_by_the_copy_are_sealed_with_it_and_checked_on_the_way_back(
+    device, shm_dir, monkeypatch
+):
+    # what a GPU does (device_digests defaults to on there; here the CPU plays the device):
+    # the store books the digests the copy computed without reading a byte, lends its
+    # blocks unchecked, and a block changed in shared memory fails on its way into the
+    # cache, never reaches it, and is dropped from the store
+    from ucm.core.store.dram import shared
+
+    source, target = _caches(device, 1, 7), _caches(device, 1, 8)
+    before = [t.clone() for t in target.tensors]
+    nbytes = source.payload_nbytes()
+    keys = [bytes([120 + i]) * 16 for i in range(4)]
+    mover = Mover(MoverSettings(device_digests=True))
+    with _store("dram", None, shm_dir) as store:
+        with monkeypatch.context() as patch:
+            patch.setattr(shared, "move_sealed_batch", _never_called)
+            dumped = mover.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes))
+            assert all(r.ok for r in dumped.wait(10))
+        flip_shared_block_byte(shm_dir, keys[1])
+        # the booked digests are the blocks' own: the store's own check agrees
+        back = [torch.zeros(nbytes, dtype=torch.uint8) for _ in keys]
+        checked = store.wait(store.load(keys, [b.numpy() for b in back], b"t"))
+        assert [r.status for r in checked] == [Status.OK, Status.CORRUPT, Status.OK, Status.OK]
+        _dump_again(mover, source, keys[1], store, nbytes)
+        flip_shared_block_byte(shm_dir, keys[1])
+        with monkeypatch.context() as patch:
+            patch.setattr(shared, "move_sealed_batch", _never_called)
+            read = mover.start_read(Batch(target, [4, 5, 6, 7], keys, store, b"t", nbytes))
+            assert read.route is Route.STORE_MEMORY and read.lent.digests is not None
+            read.task.wait(10)
+            results = mover.settle_read(read)
+        assert [r.status for r in results] == [Status.OK, Status.CORRUPT, Status.OK, Status.OK]
+        assert store.lookup(keys) == [True, False, True, True]  # dropped when given back
+        mover.close()
+    for got, src, old in zip(target.tensors, source.tensors, before):
+        assert torch.equal(got[[4, 6, 7]].cpu(), src[[0, 2, 3]].cpu())
+        assert torch.equal(got[5].cpu(), old[5].cpu())  # failed on the way: not scattered
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(device, shm_dir):
+    source, target = _caches(device, 1, 9), _caches(device, 1, 10)
+    nbytes = source.payload_nbytes()
+    keys = [bytes([160 + i]) * 16 for i in range(BLOCKS)]
+    mover = Mover(MoverSettings(step_bytes=3 * nbytes, depth=2, device_digests=True))
+    deadline = time.monotonic() + 30
+    ids = list(range(BLOCKS))
+    with _store("dram", None, shm_dir) as store:
+        assert write_run(mover, Batch(source, ids, keys, store, b"t", nbytes), deadline, "t") == (
+            BLOCKS
+        )
+        flip_shared_block_byte(shm_dir, keys[7])
+        assert read_run(mover, Batch(target, ids, keys, store, b"t", nbytes), deadline, "t") == 7
+        assert not store.lookup([keys[7]])[0]
+        mover.close()
+    for at in range(7):
+        for got, want in zip(_block(target, at), _block(source, at)):
+            assert torch.equal(got, want)
+
+
+def _never_called(*args, **kwargs):
+    raise AssertionError("the store read the blocks' bytes")
+
+
+def _dump_again(mover: Mover, source: Caches, key: bytes, store, nbytes: int) -> None:
+    store.remove([key])
+    assert mover.dump(Batch(source, [1], [key], store, b"t", nbytes)).wait(10)[0].ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads", [1, 4])
 def test_a_run_in_steps_keeps_the_stored_prefix_whole(device, heads, tmp_path):
     source, target = _caches(device, heads, 5), _caches(device, heads, 6)

@@ -20,6 +20,11 @@ The host buffers are written by the store's I/O threads straight from where the 
 them: no extra host copy.  They must be pinned (:func:`alloc_host_buffers`); a pageable
 buffer would make the "asynchronous" copy synchronous, so it is refused.
 
+Integrity without host threads: a dump can have each block's digest computed on the device
+from the gathered rows (``digests=``), and :meth:`HostStager.load_checked` sums a load's rows
+on the device once they crossed the link and scatters only those whose digest is the stored
+one (:mod:`ucm.kernels.digest`).
+
 On the CPU (no GPU, or CPU caches) the same calls run synchronously and return a handle that
 is already done.
 """
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from ucm.kernels.api import Backend, execute
+from ucm.kernels.digest import row_digests
 from ucm.kernels.spec import PayloadLayout
 from ucm.kernels.validate import GATHER, SCATTER, TransferPlan, build_plan, rebind_buffers
 
@@ -138,8 +144,12 @@ class HostStager:
         token_range: tuple[int, int] | None = None,
         null_block_id: int | None = None,
         scales: Sequence[torch.Tensor] | None = None,
+        digests: torch.Tensor | None = None,
     ) -> TransferHandle:
-        """Gather into host buffers; returns at once on a GPU (see :class:`TransferHandle`)."""
+        """Gather into host buffers; returns at once on a GPU (see :class:`TransferHandle`).
+        ``digests``: an int64 host tensor (pinned on a GPU) that gets each block's digest
+        (:func:`~ucm.kernels.digest.row_digests`) once the handle is done, computed on the
+        device from the gathered rows."""
         plan = build_plan(
             GATHER,
             caches,
@@ -150,7 +160,9 @@ class HostStager:
             scales=scales,
             host_buffers=True,
         )
-        return self._run(plan)
+        if digests is not None and digests.shape != (plan.num_store_blocks,):
+            raise ValueError(f"digests for {plan.num_store_blocks} blocks, got {digests.shape}")
+        return self._run(plan, digests)
 
     def load(
         self,
@@ -176,17 +188,68 @@ class HostStager:
         )
         return self._run(plan)
 
-    # -------------------------------------------------------------------------------------
-    def _run(self, plan: TransferPlan) -> TransferHandle:
-        if plan.device.type == "cpu":
-            if any(r.device.type != "cpu" for r in plan.raw):
-                raise ValueError("the caches are on the CPU but some buffers are not")
-            execute(plan, self.backend)
-            return TransferHandle()
+    def load_checked(
+        self,
+        caches: Sequence[torch.Tensor],
+        block_ids: object,
+        host_buffers: torch.Tensor | Sequence[torch.Tensor],
+        expected: Sequence[int],
+        **options: object,
+    ) -> tuple[list[bool], TransferHandle | None]:
+        """Scatter from host buffers the blocks whose digest is ``expected[i]`` (as
+        :mod:`ucm.core.digest` gives it); per block whether it was, and the scatter's handle
+        (None where none was).  On a GPU the rows cross the link into device memory and are
+        summed there, and this thread waits for that (not for the scatter): a block that
+        fails never reaches the cache.  On the CPU the rows are checked where they lie."""
+        plan = build_plan(
+            SCATTER, caches, block_ids, host_buffers, host_buffers=True, **options  # type: ignore[arg-type]
+        )
+        if len(expected) != plan.num_store_blocks:
+            raise ValueError(f"{len(expected)} digests for {plan.num_store_blocks} blocks")
         if plan.device.type != "cuda":
-            return self._run_sync(plan)
-        if plan.device != self.device:
-            raise ValueError(f"the caches are on {plan.device}, this stager on {self.device}")
+            rows = [row.view(1, -1) for row in plan.raw]
+            got = [int(row_digests(row)[0]) for row in rows]
+            ok = [unsigned_equal(g, e) for g, e in zip(got, expected)]
+            kept = [i for i, good in enumerate(ok) if good]
+            if not kept:
+                return ok, None
+            ids = _pick(plan.block_ids, kept)
+            return ok, self.load(caches, ids, [plan.raw[i] for i in kept], **options)  # type: ignore[arg-type]
+        self._check_pinned(plan)
+        assert self._stream is not None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        summed = torch.cuda.Event()
+        found = torch.empty(plan.num_store_blocks, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            scratch = torch.empty(
+                (plan.num_store_blocks, plan.layout.nbytes), dtype=torch.uint8, device=self.device
+            )
+            _copy_rows(scratch, plan)
+            found.copy_(row_digests(scratch, self.backend), non_blocking=True)
+            summed.record(self._stream)
+        summed.synchronize()
+        ok = [unsigned_equal(g, e) for g, e in zip(found.tolist(), expected)]
+        kept = [i for i, good in enumerate(ok) if good]
+        if not kept:
+            return ok, None
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            rows = scratch if len(kept) == len(ok) else scratch[kept]
+            part = build_plan(
+                SCATTER,
+                caches,
+                _pick(plan.block_ids, kept),
+                list(rows),
+                **options,  # type: ignore[arg-type]
+            )
+            execute(part, self.backend)
+            done.record(self._stream)
+        return ok, TransferHandle(done, (*plan.caches, scratch, rows), self.device)
+
+    # -------------------------------------------------------------------------------------
+    def _check_pinned(self, plan: TransferPlan) -> None:
         # Rows of one allocation are pinned or not together: one query (each asks the CUDA
         # driver about the address) instead of one per row.
         stacked = plan.raw_stacked
@@ -197,8 +260,26 @@ class HostStager:
                     f"host_buffers[{s}] is not pinned: an asynchronous copy needs pinned memory "
                     f"(allocate with alloc_host_buffers)"
                 )
+
+    def _run(self, plan: TransferPlan, digests: torch.Tensor | None = None) -> TransferHandle:
+        if plan.device.type == "cpu":
+            if any(r.device.type != "cpu" for r in plan.raw):
+                raise ValueError("the caches are on the CPU but some buffers are not")
+            execute(plan, self.backend)
+            if digests is not None:
+                digests.copy_(torch.cat([row_digests(r.view(1, -1)) for r in plan.raw]))
+            return TransferHandle()
+        if plan.device.type != "cuda":
+            if digests is not None:
+                raise ValueError("digests on the device need a GPU or the CPU")
+            return self._run_sync(plan)
+        if plan.device != self.device:
+            raise ValueError(f"the caches are on {plan.device}, this stager on {self.device}")
+        self._check_pinned(plan)
         if self.direct and plan.scales is not None:
             raise ValueError("direct=True does not handle scales; use the default DMA path")
+        if self.direct and digests is not None:
+            raise ValueError("direct=True does not compute digests; use the default DMA path")
         assert self._stream is not None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
@@ -221,6 +302,8 @@ class HostStager:
                 else:
                     execute(dev_plan, self.backend)
                     _copy_rows(scratch, plan)
+                    if digests is not None:  # summed while the rows cross the link
+                        digests.copy_(row_digests(scratch, self.backend), non_blocking=True)
                 keep = (*keep, scratch)
             done.record(self._stream)
         return TransferHandle(done, keep, self.device)
@@ -237,6 +320,17 @@ class HostStager:
         if plan.direction == GATHER:
             _copy_rows(scratch, plan)
         return TransferHandle()
+
+
+def unsigned_equal(found: int, expected: int) -> bool:
+    """Whether a digest as an int64's bits is ``expected`` (unsigned)."""
+    return (found & ((1 << 64) - 1)) == expected
+
+
+def _pick(block_ids: torch.Tensor, kept: list[int]) -> torch.Tensor:
+    """The rows ``kept`` of a plan's ``[S, k]`` block ids, as ids the plans take."""
+    picked = block_ids[kept]
+    return picked[:, 0] if picked.shape[1] == 1 else picked
 
 
 def _copy_rows(scratch: torch.Tensor, plan: TransferPlan) -> None:

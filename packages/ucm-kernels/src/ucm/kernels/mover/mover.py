@@ -15,6 +15,11 @@ caches):
 Runs of many batches pipelined, a call's stored prefix kept whole, are
 :mod:`ucm.kernels.mover.pipeline`'s (``write_run``, ``read_run``).
 
+Integrity at the link's speed: on a GPU, blocks moved through the store's memory are digested
+by the device (:mod:`ucm.kernels.digest`) as they are gathered, the store booking the digests
+without reading the bytes, and checked on the device as they come back, only the good ones
+scattered: no host thread touches a block's bytes (``MoverSettings.device_digests``).
+
 The store's host memory is registered with a GPU's driver the first time a batch could use
 it (a store maps its memory with its first block), every store's all or none: where the
 driver or a copy refuses it, every batch goes through rows from then on.  Torch only: the
@@ -33,6 +38,7 @@ import attrs
 import torch
 from ucm.core import KeyResult, SlotReads, SlotWrites, Status, Store, Task
 
+from ucm.kernels.digest import unsigned
 from ucm.kernels.mover.caches import Caches
 from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
@@ -57,10 +63,17 @@ class MoverSettings:
     grace_s: float = 2.0
     #: bytes of free rows kept for reuse
     staging_bytes: int = 512 << 20
+    #: blocks moved through the store's memory digested and checked by the copy's device
+    #: (None: on a GPU), the store booking digests instead of reading every byte; a store
+    #: that signs reads them whatever this says (its MAC is computed on the host)
+    device_digests: bool | None = None
 
 
 #: a block whose loan ended before it was copied out (the store took it back)
 LOAN_ENDED = KeyResult(Status.ERROR, "the block's loan ran out before it was copied")
+#: a block whose bytes, copied out of the store's memory, are not the ones it was stored with
+BAD_DIGEST = KeyResult(Status.CORRUPT, "the block fails its digest (checked as it was copied)")
+_REFUSED = KeyResult(Status.ERROR, "the copy refused the store's memory")
 
 
 @attrs.frozen
@@ -115,13 +128,19 @@ class RoomWrite:
 
     writes: SlotWrites
     handle: TransferHandle | None  # None: nothing to copy
+    digests: torch.Tensor | None = None  # the copied blocks' digests, from the device
 
     def commit(self) -> Task:
         # a copy that fails to end leaves the room reserved for as long as this process
         # lives: it may still be written, so no other writer may get it
         if self.handle is not None:
             self.handle.wait()
-        return self.writes.commit()
+        if self.digests is None:
+            return self.writes.commit()
+        found = iter(self.digests.tolist())
+        return self.writes.commit(
+            [None if view is None else unsigned(next(found)) for view in self.writes.views]
+        )
 
     def abort(self) -> None:
         if self.handle is not None:
@@ -247,6 +266,13 @@ class Mover:
         stager = self.stager(caches.device)
         stager.load(list(caches.tensors), batch.block_ids, rows, **caches.options()).wait()
 
+    def digests_on_device(self, batch: Batch) -> bool:
+        """Whether the batch's blocks are digested and checked by the copy's device."""
+        on = self.settings.device_digests
+        if on is None:
+            on = batch.caches.device.type == "cuda"
+        return on and batch.nbytes % 8 == 0  # the device sums whole words
+
     def start_room_write(self, batch: Batch) -> RoomWrite | None:
         """Start gathering the batch straight into room its store reserves in its memory;
         None where it has no room, or the copy refused it (then it goes through rows)."""
@@ -258,6 +284,10 @@ class Mover:
         if writes is None:
             return None
         caches = batch.caches
+        digests = None
+        if writes.takes_digests and self.digests_on_device(batch):
+            copied = sum(view is not None for view in writes.views)
+            digests = torch.zeros(copied, dtype=torch.int64, pin_memory=caches.device.type == "cuda")
         try:
             handle = dump_into(
                 self.stager(caches.device),
@@ -265,36 +295,68 @@ class Mover:
                 list(caches.tensors),
                 batch.block_ids,
                 writes,
+                digests=digests,
                 **caches.options(),
             )
         except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)
             self._refuse("into", exc)
             return None
-        return RoomWrite(writes, handle)
+        return RoomWrite(writes, handle, digests if handle is not None else None)
 
     def lent(self, batch: Batch) -> SlotReads | None:
         """The batch's stored blocks lent where they lie in its store's memory, checked on
         the store's threads; None where the store lends none."""
         try:
-            return batch.store.open_reads(list(batch.keys), batch.nbytes, batch.tag)
+            return batch.store.open_reads(
+                list(batch.keys), batch.nbytes, batch.tag, check=not self.digests_on_device(batch)
+            )
         except Exception as exc:  # noqa: BLE001 - the load through rows reports the store
             log.debug("ucm: no blocks lent in place (%s)", exc)
             return None
 
-    def start_copy_out(self, batch: Batch, lent: SlotReads, count: int) -> TransferHandle | None:
-        """Start scattering the first ``count`` lent blocks of the batch into its blocks;
-        None where the copy refused the store's memory (then rows from now on)."""
+    def start_copy_out(
+        self, batch: Batch, lent: SlotReads, count: int
+    ) -> tuple[TransferHandle | None, int]:
+        """Start scattering the first ``count`` lent blocks of the batch into its blocks:
+        the copy's handle (None where the copy refused the store's memory: rows from now
+        on), and how many leading blocks are good (``count``, but where a block lent
+        unchecked fails its digest on the way: those before it)."""
         if not count:
-            return None
+            return None, 0
+        copied = self._copy_out(batch, lent, list(range(count)))
+        if copied is None:
+            return None, count
+        handle, ok = copied
+        return handle, next((i for i, good in enumerate(ok) if not good), count)
+
+    def _copy_out(
+        self, batch: Batch, lent: SlotReads, which: list[int]
+    ) -> tuple[TransferHandle | None, list[bool]] | None:
+        """Start scattering the lent blocks ``which`` into their cache blocks, checking each
+        against its stored digest on the way where the store lent them unchecked (those
+        that fail are dropped from the store); the copy's handle (None: nothing to copy)
+        and, per block, whether it is good.  None where the copy refused the store's memory
+        (on a GPU: not pinned after all): rows from now on."""
         caches = batch.caches
+        ids = [batch.block_ids[i] for i in which]
         try:
-            rows = self.pinned.rows(lent.views[:count])  # type: ignore[arg-type]
-            ids = batch.block_ids[:count]
+            rows = self.pinned.rows([lent.views[i] for i in which])  # type: ignore[misc]
             stager = self.stager(caches.device)
-            return stager.load(list(caches.tensors), ids, rows, **caches.options())
+            if lent.digests is None:
+                handle = stager.load(list(caches.tensors), ids, rows, **caches.options())
+                return handle, [True] * len(which)
+            expected = [lent.digests[i] for i in which]
+            ok, handle = stager.load_checked(
+                list(caches.tensors), ids, rows, expected, **caches.options()  # type: ignore[arg-type]
+            )
         except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
             self._refuse("out of", exc)
             return None
+        bad = [i for i, good in zip(which, ok) if not good]
+        if bad:
+            log.warning("ucm: %d blocks lent by the store fail their digest: dropped", len(bad))
+            lent.drop(bad)
+        return handle, ok
 
     # -- one batch each way -------------------------------------------------------------------
 
@@ -355,16 +417,16 @@ class Mover:
         lent, read.lent = read.lent, None
         ok = [i for i, r in enumerate(results) if r is not None and r.ok]
         try:
-            if ok:  # the checked blocks, wherever they are in the batch
-                views = [lent.views[i] for i in ok]
-                rows = self.pinned.rows(views)  # type: ignore[arg-type]
-                ids = [read.batch.block_ids[i] for i in ok]
-                caches = read.batch.caches
-                stager = self.stager(caches.device)
-                stager.load(list(caches.tensors), ids, rows, **caches.options()).wait()
-        except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
-            self._refuse("out of", exc)
-            results = [KeyResult(Status.ERROR, str(exc))] * len(read.batch)
+            copied = self._copy_out(read.batch, lent, ok) if ok else (None, [])
+            if copied is None:  # the blocks lent (and checked), wherever they are
+                results = [_REFUSED] * len(read.batch)
+            else:
+                handle, good = copied
+                if handle is not None:
+                    handle.wait()
+                for i, g in zip(ok, good):
+                    if not g:
+                        results[i] = BAD_DIGEST
         finally:  # every loan ends, whatever happened
             held = lent.release()
         return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]

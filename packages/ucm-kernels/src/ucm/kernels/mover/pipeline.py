@@ -39,7 +39,7 @@ import attrs
 import torch
 from ucm.core import SlotReads, Status, Task, first_problem, verified_prefix
 
-from ucm.kernels.mover.mover import Batch, Mover, RoomWrite, wait_until
+from ucm.kernels.mover.mover import BAD_DIGEST, Batch, Mover, RoomWrite, wait_until
 from ucm.kernels.mover.route import Route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 from ucm.kernels.segments import BlockSegments
@@ -350,13 +350,16 @@ def read_run(mover: Mover, batch: Batch, deadline: float, label: str) -> int:
                 lent, s.lent = s.lent, None
                 copying = _LentCopy(s.offset, s.count, good, lent, None)
                 try:
-                    copying.handle = mover.start_copy_out(part, lent, good)
+                    copying.handle, checked = mover.start_copy_out(part, lent, good)
                 except BaseException:
                     copying = None
                     lent.release()
                     raise
-                if good and copying.handle is None:
+                if good and copying.handle is None and checked:
                     copying.why = "cannot copy out of the store's memory"
+                if checked < good:  # failed its digest on the way: the read stops there
+                    copying.why, copying.good = BAD_DIGEST.detail, checked
+                    good = checked
                 if good < s.count:  # the read stops here: no next copy to overlap
                     copying.why = copying.why or first_problem(results)
                     problem = finish_copy()
