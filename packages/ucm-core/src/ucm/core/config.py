@@ -76,6 +76,21 @@ def zero_copy_setting() -> Any:
     )
 
 
+def digests_on_gpu_setting() -> Any:
+    """The ``digests_on_gpu`` field, for an engine adapter's settings class to reuse."""
+    return setting(
+        "Where GPU caches are copied straight into and out of a store's memory (zero_copy, "
+        "the dram store of scope host), the GPU digests each block as it gathers it (the "
+        "store books the digest without reading the block) and checks it as it comes back "
+        "(a block that fails never reaches the cache, and is a miss): no host thread reads "
+        "a block's bytes, and the copies run at the link's speed. false: the store's "
+        "threads digest and check every block. A store that signs (store.secret) checks "
+        "its MAC on the host either way.",
+        default=True,
+        validator=boolean,
+    )
+
+
 def pipeline_chunk_mb_setting(default: int) -> Any:
     """The ``pipeline_chunk_mb`` field (its default the engine's), for an engine adapter's
     settings class to reuse."""
@@ -178,4 +193,5 @@ __all__ = [
     "wa_dump_block_wise_setting",
     "with_config_file",
     "zero_copy_setting",
+    "digests_on_gpu_setting",
 ]

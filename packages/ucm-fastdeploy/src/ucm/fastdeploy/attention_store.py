@@ -191,6 +191,7 @@ class AttentionStore:
         self._mover = Mover(
             MoverSettings(
                 zero_copy=self.settings.zero_copy,
+                device_digests=None if self.settings.digests_on_gpu else False,
                 step_bytes=self.settings.pipeline_chunk_mb << 20,
                 depth=self.settings.pipeline_depth,
                 grace_s=self.settings.cancel_grace_s,

@@ -24,6 +24,7 @@ from ucm.core import DIGEST_MODES, SliceWritePolicy, policy_from_env
 from ucm.core.config import (
     StoreSettings,
     cancel_grace_s_setting,
+    digests_on_gpu_setting,
     pipeline_chunk_mb_setting,
     pipeline_depth_setting,
     store_setting,
@@ -96,6 +97,7 @@ class FastDeployConfig:
     pipeline_chunk_mb: int = pipeline_chunk_mb_setting(32)
     pipeline_depth: int = pipeline_depth_setting(4)
     zero_copy: bool = zero_copy_setting()
+    digests_on_gpu: bool = digests_on_gpu_setting()
     cancel_grace_s: float = cancel_grace_s_setting()
     residency_index_blocks: int = setting(
         "Blocks the flush_token_index residency index remembers; the least recently "

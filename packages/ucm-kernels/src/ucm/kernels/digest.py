@@ -73,9 +73,7 @@ def row_digests(rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if nbytes % 8 or rows.stride(0) % 8 or rows.data_ptr() % 8:
         raise ValueError(f"rows of {nbytes} bytes: a digest on the device takes whole words")
     if backend == "auto" and rows.device.type == "cpu":
-        return torch.tensor(
-            [_signed(block_digest(row.numpy())) for row in rows], dtype=torch.int64
-        )
+        return torch.tensor([_signed(block_digest(row.numpy())) for row in rows], dtype=torch.int64)
     if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
     words = rows.view(torch.int64)  # rows apart in one storage too: their strides are whole words
@@ -88,4 +86,3 @@ def row_digests(rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 
         total = row_sums(words)
     return _finish(total, nbytes)
-

@@ -202,7 +202,12 @@ class HostStager:
         summed there, and this thread waits for that (not for the scatter): a block that
         fails never reaches the cache.  On the CPU the rows are checked where they lie."""
         plan = build_plan(
-            SCATTER, caches, block_ids, host_buffers, host_buffers=True, **options  # type: ignore[arg-type]
+            SCATTER,
+            caches,
+            block_ids,
+            host_buffers,
+            host_buffers=True,
+            **options,  # type: ignore[arg-type]
         )
         if len(expected) != plan.num_store_blocks:
             raise ValueError(f"{len(expected)} digests for {plan.num_store_blocks} blocks")

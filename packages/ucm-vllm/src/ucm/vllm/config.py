@@ -13,6 +13,7 @@ from ucm.core.config import (
     DramStoreConfig,
     StoreSettings,
     cancel_grace_s_setting,
+    digests_on_gpu_setting,
     pipeline_chunk_mb_setting,
     pipeline_depth_setting,
     store_setting,
@@ -111,6 +112,7 @@ class ConnectorConfig:
         validator=positive_number,
     )
     zero_copy: bool = zero_copy_setting()
+    digests_on_gpu: bool = digests_on_gpu_setting()
     pipeline_chunk_mb: int = pipeline_chunk_mb_setting(16)
     pipeline_depth: int = pipeline_depth_setting(2)
     cancel_grace_s: float = cancel_grace_s_setting()

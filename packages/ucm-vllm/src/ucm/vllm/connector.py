@@ -131,6 +131,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 staging_bytes=self.config.staging_mib << 20,
                 report_blocks=self.events_on,
                 zero_copy=self.config.zero_copy,
+                digests_on_gpu=self.config.digests_on_gpu,
                 piece_bytes=self.config.pipeline_chunk_mb << 20,
                 pipeline_depth=self.config.pipeline_depth,
                 cancel_grace_s=self.config.cancel_grace_s,

@@ -53,6 +53,7 @@ class WorkerSide:
         staging_bytes: int = 128 << 20,
         report_blocks: bool = False,
         zero_copy: bool = True,
+        digests_on_gpu: bool = True,
         piece_bytes: int = 16 << 20,
         pipeline_depth: int = 2,
         cancel_grace_s: float = 2.0,
@@ -63,6 +64,7 @@ class WorkerSide:
         self.mover = Mover(
             MoverSettings(
                 zero_copy=zero_copy,
+                device_digests=None if digests_on_gpu else False,
                 step_bytes=piece_bytes,
                 depth=pipeline_depth,
                 grace_s=cancel_grace_s,

@@ -287,7 +287,9 @@ class Mover:
         digests = None
         if writes.takes_digests and self.digests_on_device(batch):
             copied = sum(view is not None for view in writes.views)
-            digests = torch.zeros(copied, dtype=torch.int64, pin_memory=caches.device.type == "cuda")
+            digests = torch.zeros(
+                copied, dtype=torch.int64, pin_memory=caches.device.type == "cuda"
+            )
         try:
             handle = dump_into(
                 self.stager(caches.device),
@@ -347,7 +349,11 @@ class Mover:
                 return handle, [True] * len(which)
             expected = [lent.digests[i] for i in which]
             ok, handle = stager.load_checked(
-                list(caches.tensors), ids, rows, expected, **caches.options()  # type: ignore[arg-type]
+                list(caches.tensors),
+                ids,
+                rows,
+                expected,
+                **caches.options(),  # type: ignore[arg-type]
             )
         except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
             self._refuse("out of", exc)

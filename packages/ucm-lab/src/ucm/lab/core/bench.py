@@ -45,10 +45,10 @@ from ucm.core.config import (
     PosixStoreConfig,
     default_store_path,
 )
+from ucm.core.native import LIBRARY
 from ucm.core.settings import GIB
 from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
 from ucm.core.store.dram import sealing
-from ucm.core.native import LIBRARY
 from ucm.core.store.dram.sealing import compiled, move_sealed_batch
 from ucm.core.store.dram.shared import chunk_keys
 

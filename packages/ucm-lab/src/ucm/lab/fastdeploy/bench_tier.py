@@ -7,6 +7,9 @@ into other block ids, on one shared-memory store:
 * **tier**: the blocks copied straight into the store's slots and out of the blocks it
   lends (on a GPU its memory registered with the driver; on the CPU FastDeploy's caches are
   read and written in place by the store's own copy);
+* **tier, host checks**: the same with ``digests_on_gpu: false``, each block digested and
+  checked by the store's threads on the host rather than by the GPU (on the CPU: the same
+  as tier);
 * **staged**: ``zero_copy: false``, through staging rows and the store's copy;
 * on a GPU, **pinned copy**: the same bytes between the GPU and one pinned buffer, one
   copy each way: what the link allows.
@@ -65,7 +68,11 @@ def _measure(args: argparse.Namespace, tokens: int, threads: int, folder: str) -
     read_ids = list(range(n))
     capacity = 3 * n * block / (1 << 30)
     stores: dict[str, AttentionStore] = {}
-    for case, zero_copy in (("tier", True), ("staged", False)):
+    for case, zero_copy, on_gpu in (
+        ("tier", True, True),
+        ("hostchecks", True, False),
+        ("staged", False, True),
+    ):
         for role in ("w", "r"):
             stores[case + role] = AttentionStore(
                 namespace="bench",
@@ -81,6 +88,7 @@ def _measure(args: argparse.Namespace, tokens: int, threads: int, folder: str) -
                         "threads": threads,
                     },
                     "zero_copy": zero_copy,
+                    "digests_on_gpu": on_gpu,
                 },
                 environ={},
             )
@@ -106,7 +114,7 @@ def _measure(args: argparse.Namespace, tokens: int, threads: int, folder: str) -
                 raise RuntimeError(f"{name}: block {j} differs from what was written")
         writer.store.remove(writer.keyspace.keys(token_ids, 0, n))  # the next case writes anew
 
-    cases = [lambda: case("tier"), lambda: case("staged")]
+    cases = [lambda: case("tier"), lambda: case("hostchecks"), lambda: case("staged")]
     if args.device == "cuda":
         flat = torch.randint(0, 255, (n * block,), dtype=torch.uint8, device="cuda")
         pinned = torch.empty(n * block, dtype=torch.uint8, pin_memory=True)
@@ -133,8 +141,10 @@ def _measure(args: argparse.Namespace, tokens: int, threads: int, folder: str) -
 
     for way in ("write", "read"):
         out[f"{way}_tier_over_staged"] = ratio(f"tier_{way}", f"staged_{way}")
+        out[f"{way}_tier_over_hostchecks"] = ratio(f"tier_{way}", f"hostchecks_{way}")
         if args.device == "cuda":
             out[f"{way}_tier_over_pinned"] = ratio(f"tier_{way}", f"pinned_{way}")
+            out[f"{way}_hostchecks_over_pinned"] = ratio(f"hostchecks_{way}", f"pinned_{way}")
     return out
 
 
@@ -184,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.device == "cuda":
         head += f" {'pinned D2H':>10} {'H2D':>6} {'tier/pinned w':>13} {'r':>5}"
+        head += f" {'host checks w':>13} {'r':>5}"
     print(head)
     for row in rows:
         size = row["block_bytes"]
@@ -198,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             line += (
                 f" {row['pinned_write_gbps']:>10.2f} {row['pinned_read_gbps']:>6.2f} "
                 f"{row['write_tier_over_pinned']:>13.2f} {row['read_tier_over_pinned']:>5.2f}"
+                f" {row['write_hostchecks_over_pinned']:>13.2f}"
+                f" {row['read_hostchecks_over_pinned']:>5.2f}"
             )
         print(line)
     if args.json:

@@ -13,6 +13,10 @@ size this prints:
   slots and the store's seal, against the copy into pinned rows and the store's own copy
   (the way every dump went before), and the lent blocks checked and copied out, against a
   load into rows and the copy from them;
+* the same dump and load with the blocks digested and checked by the device
+  (:mod:`ucm.kernels.digest`: the store books digests, no host thread reads a block),
+  against the copy alone through one pinned buffer (target: 0.8), and the host's CPU time
+  per GB of each way (the process's, every thread's);
 * the same copies into slots in random order, as an arena that has turned over hands them
   out, by DMA and by the kernel writing host memory itself (``direct=True``);
 * how long registering the arena took.
@@ -47,17 +51,27 @@ HEADS, HEAD_DIM = 8, 64  # bf16: 2 KiB of K and V per token and layer, 16 KiB fo
 TAG = b"bench-tier"
 
 
-def _timed(fn: Callable[[], object], sync: Callable[[], None], repeat: int) -> float:
-    """Median seconds of ``fn`` (synchronised before and after), after one warm-up."""
+#: per way measured, the median host CPU seconds of a batch (all the process's threads)
+CPU_SECONDS: dict[str, float] = {}
+
+
+def _timed(
+    fn: Callable[[], object], sync: Callable[[], None], repeat: int, name: str = ""
+) -> float:
+    """Median seconds of ``fn`` (synchronised before and after), after one warm-up; its
+    median CPU seconds go to ``CPU_SECONDS[name]``."""
     fn()
     sync()
-    samples = []
+    samples, cpu = [], []
     for _ in range(repeat):
         sync()
-        started = time.perf_counter()
+        started, used = time.perf_counter(), time.process_time()
         fn()
         sync()
         samples.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - used)
+    if name:
+        CPU_SECONDS[name] = statistics.median(cpu)
     return statistics.median(samples)
 
 
@@ -112,8 +126,14 @@ class Case:
             return self.pinned.rows(views)  # type: ignore[arg-type]
         return [torch.frombuffer(v, dtype=torch.uint8) for v in views]  # type: ignore[call-overload]
 
-    def d2h(self, rows: torch.Tensor | list[torch.Tensor], direct: bool = False) -> None:
-        (self.direct if direct else self.stager).dump(self.caches, self.ids, rows).wait()
+    def d2h(
+        self,
+        rows: torch.Tensor | list[torch.Tensor],
+        direct: bool = False,
+        digests: torch.Tensor | None = None,
+    ) -> None:
+        stager = self.direct if direct else self.stager
+        stager.dump(self.caches, self.ids, rows, digests=digests).wait()
 
     def h2d(self, rows: torch.Tensor | list[torch.Tensor], direct: bool = False) -> None:
         (self.direct if direct else self.stager).load(self.caches, self.ids, rows).wait()
@@ -135,6 +155,29 @@ class Case:
         self.d2h(self.slot_tensors(writes.views))
         assert all(r.ok for r in self.store.wait(writes.commit()))
         self.store.remove(keys)
+
+    def dump_digested(self) -> None:
+        """Into the slots, digested by the device: the store books the digests."""
+        keys = self.keys()
+        writes = self.store.open_writes(keys, self.nbytes, TAG)
+        assert writes is not None and writes.takes_digests
+        digests = torch.zeros(self.count, dtype=torch.int64, pin_memory=self.registered)
+        self.d2h(self.slot_tensors(writes.views), digests=digests)
+        found = [d & ((1 << 64) - 1) for d in digests.tolist()]
+        assert all(r.ok for r in self.store.wait(writes.commit(found)))
+        self.store.remove(keys)
+
+    def load_checked(self, keys: list[bytes]) -> None:
+        """Lent unchecked, checked by the device on the way into the cache."""
+        reads = self.store.open_reads(keys, self.nbytes, TAG, check=False)
+        assert reads is not None and reads.digests is not None
+        try:
+            rows = self.slot_tensors(reads.views)
+            ok, handle = self.stager.load_checked(self.caches, self.ids, rows, reads.digests)
+            assert all(ok) and handle is not None
+            handle.wait()
+        finally:
+            assert all(reads.release())
 
     def load_rows(self, keys: list[bytes]) -> None:
         assert all(
@@ -184,9 +227,9 @@ def _measure(case: Case, repeat: int) -> dict[str, float]:
     assert slots is not None
     slot_rows = case.slot_tensors(slots.views)
     t = {
-        "d2h_pinned": _timed(lambda: case.d2h(case.rows), case.sync, repeat),
+        "d2h_pinned": _timed(lambda: case.d2h(case.rows), case.sync, repeat, "d2h_pinned"),
         "d2h_slots": _timed(lambda: case.d2h(slot_rows), case.sync, repeat),
-        "h2d_pinned": _timed(lambda: case.h2d(case.rows), case.sync, repeat),
+        "h2d_pinned": _timed(lambda: case.h2d(case.rows), case.sync, repeat, "h2d_pinned"),
         "h2d_slots": _timed(lambda: case.h2d(slot_rows), case.sync, repeat),
     }
     # slots out of order (an arena long in use): no two rows of a batch one after another
@@ -198,13 +241,21 @@ def _measure(case: Case, repeat: int) -> dict[str, float]:
     shuffled.clear()
     slot_rows = []  # the views go before their room does
     slots.abort()
-    t["dump_rows"] = _timed(case.dump_rows, case.sync, repeat)
-    t["dump_in_place"] = _timed(case.dump_in_place, case.sync, repeat)
+    for name, fn in (
+        ("dump_rows", case.dump_rows),
+        ("dump_in_place", case.dump_in_place),
+        ("dump_digested", case.dump_digested),
+    ):
+        t[name] = _timed(fn, case.sync, repeat, name)
     stored = case.keys()
     dumped = case.store.wait(case.store.dump(stored, row_buffers(list(case.rows)), TAG))
     assert all(r.ok for r in dumped)
-    t["load_rows"] = _timed(lambda: case.load_rows(stored), case.sync, repeat)
-    t["load_lent"] = _timed(lambda: case.load_lent(stored), case.sync, repeat)
+    for name, load in (
+        ("load_rows", case.load_rows),
+        ("load_lent", case.load_lent),
+        ("load_checked", case.load_checked),
+    ):
+        t[name] = _timed(lambda load=load: load(stored), case.sync, repeat, name)  # type: ignore[misc]
     return t
 
 
@@ -217,18 +268,25 @@ def run(device: torch.device, sizes: list[int], total_bytes: int, repeat: int) -
             t = _measure(case, repeat)
         finally:
             case.close()
-        gbs = {k: case.count * case.nbytes / v / 1e9 for k, v in t.items()}
+        gb = case.count * case.nbytes / 1e9
+        gbs = {k: gb / v for k, v in t.items()}
         out.append({
             "block_bytes": block_bytes, "blocks": case.count, "registered": case.registered,
             "register_s": case.register_s, "region_bytes": case.region_bytes,
             "gb_s": gbs,
+            "cpu_s_per_gb": {k: v / gb for k, v in CPU_SECONDS.items()},
             "ratios": {
                 "d2h": gbs["d2h_slots"] / gbs["d2h_pinned"],
                 "h2d": gbs["h2d_slots"] / gbs["h2d_pinned"],
                 "dump": gbs["dump_in_place"] / gbs["dump_rows"],
                 "load": gbs["load_lent"] / gbs["load_rows"],
+                "dump_digested_over_pinned": gbs["dump_digested"] / gbs["d2h_pinned"],
+                "load_checked_over_pinned": gbs["load_checked"] / gbs["h2d_pinned"],
+                "dump_in_place_over_pinned": gbs["dump_in_place"] / gbs["d2h_pinned"],
+                "load_lent_over_pinned": gbs["load_lent"] / gbs["h2d_pinned"],
             },
         })  # fmt: skip
+        CPU_SECONDS.clear()
     return out
 
 
@@ -261,6 +319,23 @@ def _print(device: torch.device, rows: list[dict]) -> None:
             )
         ]
         print(f"{r['block_bytes'] // 1024:>5}KiB " + " ".join(cells))
+    print(
+        "digested and checked by the device: GB/s (ratio to the pinned buffer), and host CPU "
+        "s/GB, against sealed and checked by the store's threads"
+    )
+    print(f"{'block':>8} {'dump':>14} {'by store':>14} {'load':>14} {'by store':>14}  CPU s/GB")
+    for r in rows:
+        g, q, c = r["gb_s"], r["ratios"], r["cpu_s_per_gb"]
+        print(
+            f"{r['block_bytes'] // 1024:>5}KiB "
+            f"{g['dump_digested']:5.1f} ({q['dump_digested_over_pinned']:4.2f})  "
+            f"{g['dump_in_place']:5.1f} ({q['dump_in_place_over_pinned']:4.2f})  "
+            f"{g['load_checked']:5.1f} ({q['load_checked_over_pinned']:4.2f})  "
+            f"{g['load_lent']:5.1f} ({q['load_lent_over_pinned']:4.2f})  "
+            f"dump {c['dump_digested']:.3f} / {c['dump_in_place']:.3f}, "
+            f"load {c['load_checked']:.3f} / {c['load_lent']:.3f}, "
+            f"pinned copy {c['d2h_pinned']:.3f} / {c['h2d_pinned']:.3f}"
+        )
     for r in rows:
         if r["registered"]:
             gib = r["region_bytes"] / 2**30
