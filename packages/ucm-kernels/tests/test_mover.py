@@ -107,10 +107,16 @@ def _caches(device: str, heads: int, seed: int) -> Caches:
     return Caches(tuple(t.transpose(0, 1) for t in made))
 
 
-def _store(kind: str, tmp_path, shm_dir):
+def _store(kind: str, tmp_path, shm_dir, nbytes: int | None = None):
+    """A store; with ``nbytes``, one that knows its blocks' size, as an engine's worker
+    announces it at start-up (the dram store's memory then exists before the first batch,
+    and a GPU's first batch can be routed through it)."""
     if kind == "posix":
         return create_store({"kind": "posix", "path": str(tmp_path / "posix")})
-    return create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125})
+    store = create_store({"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125})
+    if nbytes is not None:
+        store.check_block_bytes(nbytes)
+    return store
 
 
 def _block(caches: Caches, block: int) -> list[torch.Tensor]:
@@ -139,7 +145,7 @@ def test_a_batch_moves_by_its_route_and_lands_where_it_belongs(
     keys = [bytes([i]) * 16 for i in range(6)]
     ids, into = [3, 7, 1, 20, 11, 5], [0, 2, 4, 6, 8, 10]
     mover = Mover(MoverSettings(zero_copy=zero_copy))
-    with _store(kind, tmp_path, shm_dir) as store:
+    with _store(kind, tmp_path, shm_dir, nbytes) as store:
         dump = Batch(source, ids, keys, store, b"t", nbytes)
         assert mover.route(dump, cache_lent=False)[0] is dump_route
         task = mover.dump(dump)
@@ -166,7 +172,7 @@ def test_the_caller_decides_which_loaded_blocks_count_and_rows_go_back(device, s
     before = [t.clone() for t in target.tensors]
     nbytes = source.payload_nbytes()
     keys = [bytes([40 + i]) * 16 for i in range(4)]
-    writer, mover = Mover(), Mover(MoverSettings(staging_bytes=1 << 20))
+    writer, mover = Mover(), Mover(MoverSettings(staging_bytes=1 << 20, zero_copy=False))
     with _store("dram", None, shm_dir) as store:
         dumped = writer.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes))
         assert all(r.ok for r in dumped.wait(10))
@@ -199,7 +205,7 @@ def test_blocks_digested_by_the_copy_are_sealed_with_it_and_checked_on_the_way_b
     nbytes = source.payload_nbytes()
     keys = [bytes([120 + i]) * 16 for i in range(4)]
     mover = Mover(MoverSettings(device_digests=True))
-    with _store("dram", None, shm_dir) as store:
+    with _store("dram", None, shm_dir, nbytes) as store:
         with monkeypatch.context() as patch:
             patch.setattr(shared, "move_sealed_batch", _never_called)
             dumped = mover.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes))
@@ -233,7 +239,7 @@ def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(device, shm_dir
     mover = Mover(MoverSettings(step_bytes=3 * nbytes, depth=2, device_digests=True))
     deadline = time.monotonic() + 30
     ids = list(range(BLOCKS))
-    with _store("dram", None, shm_dir) as store:
+    with _store("dram", None, shm_dir, nbytes) as store:
         assert write_run(mover, Batch(source, ids, keys, store, b"t", nbytes), deadline, "t") == (
             BLOCKS
         )

@@ -12,7 +12,7 @@ chunk of a row on its own and the chunks' sums add up: thousands of programs a b
 arithmetic is that of int64 tensors, which wrap modulo 2**64 like the definition's
 unsigned words (a logical shift is an arithmetic one with the sign's bits taken back off):
 the device's digests are the CPU's bit for bit (tested, through the Triton interpreter and
-on a GPU).
+on a GPU; the Triton kernel works in uint64, whose shifts are logical everywhere).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def unsigned(x: int) -> int:
 
 def _high(v: torch.Tensor) -> torch.Tensor:
     """The high 32 bits of each int64 as a non-negative value (a logical shift)."""
-    return (v >> 32) - ((v >> 63) << 32)
+    return (v >> 32) & 0xFFFFFFFF
 
 
 def _terms(w: torch.Tensor, first: int) -> torch.Tensor:
@@ -48,15 +48,13 @@ def _terms(w: torch.Tensor, first: int) -> torch.Tensor:
     rows."""
     key = torch.arange(first + 1, first + 1 + w.shape[-1], dtype=torch.int64, device=w.device)
     v = w ^ (key * _signed(P1))
-    hi = _high(v)
-    lo = v - (hi << 32)
-    return lo * hi + ((w << 32) + _high(w))
+    return (v & 0xFFFFFFFF) * _high(v) + ((w << 32) | _high(w))
 
 
 def _finish(total: torch.Tensor, nbytes: int) -> torch.Tensor:
     """:func:`ucm.core.digest.finish` on int64 tensors."""
     h = total ^ _signed(nbytes * P2)
-    h = h ^ ((h >> 37) & ((1 << 27) - 1))
+    h = h ^ ((h >> 37) & 0x7FFFFFF)
     h = h * _signed(MIX)
     return h ^ _high(h)
 

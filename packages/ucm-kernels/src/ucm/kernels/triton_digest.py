@@ -26,15 +26,15 @@ def _chunk_sums(
     c = pid - s * chunks
     j = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
     ok = j < nwords
-    w = tl.load(words + s * row_stride + j, mask=ok, other=0)
-    v = w ^ ((j + 1) * p1)
-    # logical shifts and masks from arithmetic ones: no constant needs more than 31 bits
-    hi = (v >> 32) - ((v >> 63) << 32)
-    lo = v - (hi << 32)
-    w_hi = (w >> 32) - ((w >> 63) << 32)
-    term = lo * hi + ((w << 32) + w_hi)
+    # unsigned words: logical shifts, products and sums modulo 2**64, as the definition's
+    w = tl.load(words + s * row_stride + j, mask=ok, other=0).to(tl.uint64, bitcast=True)
+    key = (j + 1).to(tl.uint64, bitcast=True) * p1.to(tl.uint64, bitcast=True)
+    v = w ^ key
+    hi = v >> 32
+    lo = v - (hi << 32)  # no 64-bit constant: its type would be the compiler's guess
+    term = lo * hi + ((w << 32) | (w >> 32))
     term = tl.where(ok, term, 0)
-    tl.store(out + pid, tl.sum(term, axis=0))
+    tl.store(out + pid, tl.sum(term, axis=0).to(tl.int64, bitcast=True))
 
 
 def row_sums(words: torch.Tensor) -> torch.Tensor:
