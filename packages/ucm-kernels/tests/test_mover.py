@@ -185,6 +185,8 @@ def test_the_caller_decides_which_loaded_blocks_count_and_rows_go_back(device, s
         prefix = verified_prefix(results)
         mover.complete_read(read, [i < prefix for i in range(4)])
         assert mover.pool.free_bytes == 4 * nbytes  # every row back to this reader's pool
+        writer.close()  # the store's memory unregistered (a GPU) before the store unmaps it
+        mover.close()
     for got, src, old in zip(target.tensors, source.tensors, before):
         assert torch.equal(got[4].cpu(), src[0].cpu())
         assert torch.equal(got[5:8].cpu(), old[5:8].cpu())  # not used: not scattered
