@@ -33,12 +33,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from ucm.kernels.api import Backend, execute
-from ucm.kernels.digest import row_digests
+from ucm.kernels.digest import _signed, row_digests
 from ucm.kernels.spec import PayloadLayout
-from ucm.kernels.validate import GATHER, SCATTER, TransferPlan, build_plan, rebind_buffers
+from ucm.kernels.validate import (
+    GATHER,
+    SCATTER,
+    CheckedCaches,
+    TransferPlan,
+    build_plan,
+    rebind_buffers,
+)
 
 #: On the CPU, blocks this size or larger move as fast into rows that lie apart (a store's
 #: slots) as into rows of one allocation.  Below it, a block whose payload is not a run of
@@ -137,7 +145,7 @@ class HostStager:
 
     def dump(
         self,
-        caches: Sequence[torch.Tensor],
+        caches: Sequence[torch.Tensor] | CheckedCaches,
         block_ids: object,
         host_buffers: torch.Tensor | Sequence[torch.Tensor],
         *,
@@ -166,7 +174,7 @@ class HostStager:
 
     def load(
         self,
-        caches: Sequence[torch.Tensor],
+        caches: Sequence[torch.Tensor] | CheckedCaches,
         block_ids: object,
         host_buffers: torch.Tensor | Sequence[torch.Tensor],
         *,
@@ -190,17 +198,19 @@ class HostStager:
 
     def load_checked(
         self,
-        caches: Sequence[torch.Tensor],
+        caches: Sequence[torch.Tensor] | CheckedCaches,
         block_ids: object,
         host_buffers: torch.Tensor | Sequence[torch.Tensor],
         expected: Sequence[int],
         **options: object,
-    ) -> tuple[list[bool], TransferHandle | None]:
+    ) -> tuple[torch.Tensor, TransferHandle]:
         """Scatter from host buffers the blocks whose digest is ``expected[i]`` (as
-        :mod:`ucm.core.digest` gives it); per block whether it was, and the scatter's handle
-        (None where none was).  On a GPU the rows cross the link into device memory and are
-        summed there, and this thread waits for that (not for the scatter): a block that
-        fails never reaches the cache.  On the CPU the rows are checked where they lie."""
+        :mod:`ucm.core.digest` gives it).  Returns, per block, whether it was (a bool host
+        tensor, to be read once the handle is done) and the handle.  On a GPU it returns at
+        once: the rows cross the link into device memory, are summed there, and only those
+        whose digest matches are scattered, all on the side stream (a block that fails
+        never reaches the cache, and the host waits for nothing).  On the CPU the rows are
+        checked where they lie, synchronously."""
         plan = build_plan(
             SCATTER,
             caches,
@@ -209,49 +219,35 @@ class HostStager:
             host_buffers=True,
             **options,  # type: ignore[arg-type]
         )
-        if len(expected) != plan.num_store_blocks:
-            raise ValueError(f"{len(expected)} digests for {plan.num_store_blocks} blocks")
+        count = plan.num_store_blocks
+        if len(expected) != count:
+            raise ValueError(f"{len(expected)} digests for {count} blocks")
+        want = torch.tensor([_signed(e) for e in expected], dtype=torch.int64)
         if plan.device.type != "cuda":
-            rows = [row.view(1, -1) for row in plan.raw]
-            got = [int(row_digests(row)[0]) for row in rows]
-            ok = [unsigned_equal(g, e) for g, e in zip(got, expected)]
-            kept = [i for i, good in enumerate(ok) if good]
-            if not kept:
-                return ok, None
-            ids = _pick(plan.block_ids, kept)
-            return ok, self.load(caches, ids, [plan.raw[i] for i in kept], **options)  # type: ignore[arg-type]
+            got = torch.cat([row_digests(row.view(1, -1)) for row in plan.raw]) if count else want
+            ok = got == want
+            execute(attrs.evolve(plan, keep=ok), self.backend)
+            return ok, TransferHandle()
+        if plan.device != self.device:
+            raise ValueError(f"the caches are on {plan.device}, this stager on {self.device}")
         self._check_pinned(plan)
         assert self._stream is not None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        summed = torch.cuda.Event()
-        found = torch.empty(plan.num_store_blocks, dtype=torch.int64, pin_memory=True)
+        done = torch.cuda.Event()
+        verdicts = torch.empty(count, dtype=torch.bool, pin_memory=True)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             scratch = torch.empty(
-                (plan.num_store_blocks, plan.layout.nbytes), dtype=torch.uint8, device=self.device
+                (count, plan.layout.nbytes), dtype=torch.uint8, device=self.device
             )
             _copy_rows(scratch, plan)
-            found.copy_(row_digests(scratch, self.backend), non_blocking=True)
-            summed.record(self._stream)
-        summed.synchronize()
-        ok = [unsigned_equal(g, e) for g, e in zip(found.tolist(), expected)]
-        kept = [i for i, good in enumerate(ok) if good]
-        if not kept:
-            return ok, None
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self._stream):
-            rows = scratch if len(kept) == len(ok) else scratch[kept]
-            part = build_plan(
-                SCATTER,
-                caches,
-                _pick(plan.block_ids, kept),
-                list(rows),
-                **options,  # type: ignore[arg-type]
-            )
-            execute(part, self.backend)
+            wanted = want.pin_memory().to(self.device, non_blocking=True)
+            ok = row_digests(scratch, self.backend) == wanted
+            execute(attrs.evolve(rebind_buffers(plan, scratch), keep=ok), self.backend)
+            verdicts.copy_(ok, non_blocking=True)
             done.record(self._stream)
-        return ok, TransferHandle(done, (*plan.caches, scratch, rows), self.device)
+        return verdicts, TransferHandle(done, (*plan.caches, scratch, wanted, ok), self.device)
 
     # -------------------------------------------------------------------------------------
     def _check_pinned(self, plan: TransferPlan) -> None:
@@ -325,17 +321,6 @@ class HostStager:
         if plan.direction == GATHER:
             _copy_rows(scratch, plan)
         return TransferHandle()
-
-
-def unsigned_equal(found: int, expected: int) -> bool:
-    """Whether a digest as an int64's bits is ``expected`` (unsigned)."""
-    return (found & ((1 << 64) - 1)) == expected
-
-
-def _pick(block_ids: torch.Tensor, kept: list[int]) -> torch.Tensor:
-    """The rows ``kept`` of a plan's ``[S, k]`` block ids, as ids the plans take."""
-    picked = block_ids[kept]
-    return picked[:, 0] if picked.shape[1] == 1 else picked
 
 
 def _copy_rows(scratch: torch.Tensor, plan: TransferPlan) -> None:

@@ -205,6 +205,9 @@ def run_triton(plan: TransferPlan) -> None:
         t_ids, t_cache, t_buf, t_pay = torch.split(
             table, [count * k, len(members), count, len(members)]
         )
+        if plan.keep is not None:  # a store block not kept reads as all null: skipped
+            keep = plan.keep.view(count, 1).expand(count, k).reshape(-1)
+            t_ids = torch.where(keep, t_ids, null_id)
         sb, sh, sn, sp, sd = strides
         shape = base.shape  # [B, H, N, P, D]
         # Strides of size-1 axes never multiply a non-zero index, so they need no alignment.

@@ -11,8 +11,10 @@ a store, which every engine adapter drives.
 
 from ucm.kernels.mover.caches import Caches
 from ucm.kernels.mover.mover import (
+    BAD_DIGEST,
     LOAN_ENDED,
     Batch,
+    CopyOut,
     Mover,
     MoverSettings,
     Read,
@@ -24,10 +26,12 @@ from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 
 __all__ = [
+    "BAD_DIGEST",
     "LOAN_ENDED",
     "Ahead",
     "Batch",
     "Caches",
+    "CopyOut",
     "Mover",
     "MoverSettings",
     "Read",

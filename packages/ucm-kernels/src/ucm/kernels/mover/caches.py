@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from ucm.kernels.api import payload_nbytes
+from ucm.kernels.validate import CheckedCaches, check_caches
 
 
 @attrs.frozen
@@ -22,6 +23,8 @@ class Caches:
     tensors: Sequence[torch.Tensor]
     scales: Sequence[torch.Tensor] | None = None
     null_block: int | None = None
+    #: the tensors checked for the copy kernels, once (:meth:`checked`)
+    _checked: list[CheckedCaches] = attrs.field(factory=list, init=False, eq=False, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -35,6 +38,19 @@ class Caches:
         if self.null_block is not None:
             options["null_block_id"] = self.null_block
         return options
+
+    def checked(self) -> CheckedCaches:
+        """The tensors (and scales) checked and viewed as the copy kernels take them,
+        checked on first use only: each step of a run plans a copy of the same caches."""
+        if not self._checked:
+            scales = None if self.scales is None else list(self.scales)
+            self._checked.append(check_caches(list(self.tensors), scales))
+        return self._checked[0]
+
+    def copy_options(self) -> dict[str, Any]:
+        """The keyword arguments of a copy of :meth:`checked` caches (their scales are in
+        them)."""
+        return {} if self.null_block is None else {"null_block_id": self.null_block}
 
     def payload_nbytes(self, blocks: int = 1) -> int:
         """A store block's payload: ``blocks`` engine blocks of every tensor."""

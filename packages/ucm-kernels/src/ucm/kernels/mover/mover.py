@@ -148,6 +148,31 @@ class RoomWrite:
         self.writes.abort()
 
 
+@attrs.define
+class CopyOut:
+    """Lent blocks being scattered into the caches, checked on the way where the store lent
+    them unchecked: :meth:`settle` it before they are given back."""
+
+    lent: SlotReads
+    which: list[int]  # the blocks' places in the batch
+    handle: TransferHandle | None  # None: nothing to copy
+    verdicts: torch.Tensor | None  # per block, whether it passed (None: the store checked)
+
+    def settle(self) -> list[bool]:
+        """Wait for the copy; per block, whether it is in the cache.  The blocks that failed
+        their digest are dropped from the store when given back."""
+        if self.handle is not None:
+            self.handle.wait()
+        if self.verdicts is None:
+            return [True] * len(self.which)
+        ok = [bool(v) for v in self.verdicts.tolist()]
+        bad = [i for i, good in zip(self.which, ok) if not good]
+        if bad:
+            log.warning("ucm: %d blocks lent by the store fail their digest: dropped", len(bad))
+            self.lent.drop(bad)
+        return ok
+
+
 class Mover:
     """Moves batches of blocks between caches and stores; thread-safe (FastDeploy moves
     from several threads, each with a side stream of its own on a GPU)."""
@@ -258,13 +283,13 @@ class Mover:
         """Gather the batch's blocks into rows of ours."""
         caches = batch.caches
         stager = self.stager(caches.device)
-        stager.dump(list(caches.tensors), batch.block_ids, rows, **caches.options()).wait()
+        stager.dump(caches.checked(), batch.block_ids, rows, **caches.copy_options()).wait()
 
     def scatter_rows(self, batch: Batch, rows: Sequence[torch.Tensor]) -> None:
         """Scatter rows of ours into the batch's blocks (``rows[i]`` into block i)."""
         caches = batch.caches
         stager = self.stager(caches.device)
-        stager.load(list(caches.tensors), batch.block_ids, rows, **caches.options()).wait()
+        stager.load(caches.checked(), batch.block_ids, rows, **caches.copy_options()).wait()
 
     def digests_on_device(self, batch: Batch) -> bool:
         """Whether the batch's blocks are digested and checked by the copy's device."""
@@ -294,11 +319,11 @@ class Mover:
             handle = dump_into(
                 self.stager(caches.device),
                 self.pinned,
-                list(caches.tensors),
+                caches.checked(),  # type: ignore[arg-type]
                 batch.block_ids,
                 writes,
                 digests=digests,
-                **caches.options(),
+                **caches.copy_options(),
             )
         except ValueError as exc:  # the plan refused the room (a GPU: not pinned after all)
             self._refuse("into", exc)
@@ -316,53 +341,37 @@ class Mover:
             log.debug("ucm: no blocks lent in place (%s)", exc)
             return None
 
-    def start_copy_out(
-        self, batch: Batch, lent: SlotReads, count: int
-    ) -> tuple[TransferHandle | None, int]:
-        """Start scattering the first ``count`` lent blocks of the batch into its blocks:
-        the copy's handle (None where the copy refused the store's memory: rows from now
-        on), and how many leading blocks are good (``count``, but where a block lent
-        unchecked fails its digest on the way: those before it)."""
-        if not count:
-            return None, 0
-        copied = self._copy_out(batch, lent, list(range(count)))
-        if copied is None:
-            return None, count
-        handle, ok = copied
-        return handle, next((i for i, good in enumerate(ok) if not good), count)
+    def start_copy_out(self, batch: Batch, lent: SlotReads, count: int) -> CopyOut | None:
+        """Start scattering the first ``count`` lent blocks of the batch into its blocks;
+        :meth:`CopyOut.settle` says which are good once it is done.  None where the copy
+        refused the store's memory (on a GPU: not pinned after all): rows from now on."""
+        return self._copy_out(batch, lent, list(range(count)))
 
-    def _copy_out(
-        self, batch: Batch, lent: SlotReads, which: list[int]
-    ) -> tuple[TransferHandle | None, list[bool]] | None:
-        """Start scattering the lent blocks ``which`` into their cache blocks, checking each
-        against its stored digest on the way where the store lent them unchecked (those
-        that fail are dropped from the store); the copy's handle (None: nothing to copy)
-        and, per block, whether it is good.  None where the copy refused the store's memory
-        (on a GPU: not pinned after all): rows from now on."""
+    def _copy_out(self, batch: Batch, lent: SlotReads, which: list[int]) -> CopyOut | None:
+        """Start scattering the lent blocks ``which`` into their cache blocks, checked
+        against their stored digests on the way where the store lent them unchecked."""
+        if not which:
+            return CopyOut(lent, which, None, None)
         caches = batch.caches
         ids = [batch.block_ids[i] for i in which]
         try:
             rows = self.pinned.rows([lent.views[i] for i in which])  # type: ignore[misc]
             stager = self.stager(caches.device)
             if lent.digests is None:
-                handle = stager.load(list(caches.tensors), ids, rows, **caches.options())
-                return handle, [True] * len(which)
+                handle = stager.load(caches.checked(), ids, rows, **caches.copy_options())
+                return CopyOut(lent, which, handle, None)
             expected = [lent.digests[i] for i in which]
-            ok, handle = stager.load_checked(
-                list(caches.tensors),
+            verdicts, handle = stager.load_checked(
+                caches.checked(),
                 ids,
                 rows,
-                expected,
-                **caches.options(),  # type: ignore[arg-type]
+                expected,  # type: ignore[arg-type]
+                **caches.copy_options(),
             )
         except ValueError as exc:  # the plan refused the store's memory (a GPU: not pinned)
             self._refuse("out of", exc)
             return None
-        bad = [i for i, good in zip(which, ok) if not good]
-        if bad:
-            log.warning("ucm: %d blocks lent by the store fail their digest: dropped", len(bad))
-            lent.drop(bad)
-        return handle, ok
+        return CopyOut(lent, which, handle, verdicts)
 
     # -- one batch each way -------------------------------------------------------------------
 
@@ -423,15 +432,12 @@ class Mover:
         lent, read.lent = read.lent, None
         ok = [i for i, r in enumerate(results) if r is not None and r.ok]
         try:
-            copied = self._copy_out(read.batch, lent, ok) if ok else (None, [])
-            if copied is None:  # the blocks lent (and checked), wherever they are
+            copy = self._copy_out(read.batch, lent, ok)  # the lent blocks, wherever they are
+            if copy is None:
                 results = [_REFUSED] * len(read.batch)
             else:
-                handle, good = copied
-                if handle is not None:
-                    handle.wait()
-                for i, g in zip(ok, good):
-                    if not g:
+                for i, good in zip(ok, copy.settle()):
+                    if not good:
                         results[i] = BAD_DIGEST
         finally:  # every loan ends, whatever happened
             held = lent.release()

@@ -39,11 +39,10 @@ import attrs
 import torch
 from ucm.core import SlotReads, Status, Task, first_problem, verified_prefix
 
-from ucm.kernels.mover.mover import BAD_DIGEST, Batch, Mover, RoomWrite, wait_until
+from ucm.kernels.mover.mover import BAD_DIGEST, Batch, CopyOut, Mover, RoomWrite, wait_until
 from ucm.kernels.mover.route import Route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 from ucm.kernels.segments import BlockSegments
-from ucm.kernels.staging import TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +69,25 @@ class _LentCopy:
 
     offset: int
     count: int  # blocks of the step
-    good: int  # leading blocks checked: those copied, unless the copy was refused
+    good: int  # leading blocks lent (and checked by the store)
     lent: SlotReads
-    handle: TransferHandle | None
+    copy: CopyOut | None  # None: the copy refused the store's memory
     why: str = ""  # why not every block of the step is copied
 
     def finish(self) -> tuple[int, str]:
         """Wait for the copy and give every block back.  How many leading blocks were
-        copied while still lent (the cache blocks past them may hold anything), and where
-        and why the step stopped short ("" where it did not)."""
+        copied (and passed their check on the way) while still lent (the cache blocks past
+        them may hold anything), and where and why the step stopped short ("" where it did
+        not)."""
+        copied = 0
         try:
-            if self.handle is not None:
-                self.handle.wait()
+            if self.copy is not None:
+                ok = self.copy.settle()
+                copied = next((i for i, good in enumerate(ok) if not good), len(ok))
+                if copied < self.good:
+                    self.why = BAD_DIGEST.detail
         finally:  # every loan ends, whatever happened
             held = self.lent.release()
-        copied = self.good if self.handle is not None else 0
         kept = next((i for i in range(copied) if not held[i]), copied)
         why = "the store took it back before it was copied" if kept < copied else self.why
         return kept, "" if kept == self.count else f"block {self.offset + kept}: {why}"
@@ -350,16 +353,13 @@ def read_run(mover: Mover, batch: Batch, deadline: float, label: str) -> int:
                 lent, s.lent = s.lent, None
                 copying = _LentCopy(s.offset, s.count, good, lent, None)
                 try:
-                    copying.handle, checked = mover.start_copy_out(part, lent, good)
+                    copying.copy = mover.start_copy_out(part, lent, good)
                 except BaseException:
                     copying = None
                     lent.release()
                     raise
-                if good and copying.handle is None and checked:
+                if good and copying.copy is None:
                     copying.why = "cannot copy out of the store's memory"
-                if checked < good:  # failed its digest on the way: the read stops there
-                    copying.why, copying.good = BAD_DIGEST.detail, checked
-                    good = checked
                 if good < s.count:  # the read stops here: no next copy to overlap
                     copying.why = copying.why or first_problem(results)
                     problem = finish_copy()
