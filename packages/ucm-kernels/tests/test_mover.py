@@ -235,16 +235,19 @@ def test_blocks_digested_by_the_copy_are_sealed_with_it_and_checked_on_the_way_b
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(device, shm_dir):
-    source, target = _caches(device, 1, 9), _caches(device, 1, 10)
+    # blocks of 1 MiB gathered from 8 heads: through the store's memory on the CPU too, each
+    # step's copy queued before the one before it is settled
+    source, target = _big_caches(device, 9), _big_caches(device, 10)
     nbytes = source.payload_nbytes()
-    keys = [bytes([160 + i]) * 16 for i in range(BLOCKS)]
+    n = 12
+    keys = [bytes([160 + i]) * 16 for i in range(n)]
     mover = Mover(MoverSettings(step_bytes=3 * nbytes, depth=2, device_digests=True))
     deadline = time.monotonic() + 30
-    ids = list(range(BLOCKS))
+    ids = list(range(n))
     with _store("dram", None, shm_dir, nbytes) as store:
-        assert write_run(mover, Batch(source, ids, keys, store, b"t", nbytes), deadline, "t") == (
-            BLOCKS
-        )
+        batch = Batch(source, ids, keys, store, b"t", nbytes)
+        assert mover.route(batch, cache_lent=True)[0] is Route.STORE_MEMORY
+        assert write_run(mover, batch, deadline, "t") == n
         flip_shared_block_byte(shm_dir, keys[7])
         assert read_run(mover, Batch(target, ids, keys, store, b"t", nbytes), deadline, "t") == 7
         assert not store.lookup([keys[7]])[0]
@@ -252,6 +255,12 @@ def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(device, shm_dir
     for at in range(7):
         for got, want in zip(_block(target, at), _block(source, at)):
             assert torch.equal(got, want)
+
+
+def _big_caches(device: str, seed: int) -> Caches:
+    gen = torch.Generator().manual_seed(seed)
+    made = [torch.randn((8, 16, 64, 128), generator=gen).to(device) for _ in range(2 * LAYERS)]
+    return Caches(tuple(t.transpose(0, 1) for t in made))
 
 
 def _never_called(*args, **kwargs):

@@ -38,7 +38,8 @@ class SlotWrites(abc.ABC):
         as a dump's.  ``digests``: per key, the digest (:mod:`ucm.core.digest`) of what its
         view holds, computed as it was copied in (a GPU's copy kernels; None where a key
         has no view): a store that :attr:`takes_digests` seals with them and never reads
-        the bytes, another ignores them."""
+        the bytes (and may publish them before it returns: there is nothing to copy),
+        another ignores them."""
 
     @abc.abstractmethod
     def abort(self) -> None:

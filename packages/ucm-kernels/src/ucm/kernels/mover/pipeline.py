@@ -341,30 +341,35 @@ def read_run(mover: Mover, batch: Batch, deadline: float, label: str) -> int:
                 break
             s = pending.popleft()
             finished = wait_until(s.task, deadline)  # the last lent step's copy runs meanwhile
-            if copying is not None:  # in order: before this step, lent or not
-                problem = finish_copy()
-                if problem:
-                    pending.appendleft(s)  # not used: stopped below
-                    break
             results = s.task.partial()
             good = verified_prefix(results)
             part = batch.part(s.offset, s.offset + s.count)
             if s.lent is not None:  # copied out, then given back
                 lent, s.lent = s.lent, None
-                copying = _LentCopy(s.offset, s.count, good, lent, None)
-                try:
-                    copying.copy = mover.start_copy_out(part, lent, good)
+                this = _LentCopy(s.offset, s.count, good, lent, None)
+                try:  # queued behind the copy before it: the device never waits for us
+                    this.copy = mover.start_copy_out(part, lent, good)
                 except BaseException:
-                    copying = None
                     lent.release()
                     raise
-                if good and copying.copy is None:
-                    copying.why = "cannot copy out of the store's memory"
+                if good and this.copy is None:
+                    this.why = "cannot copy out of the store's memory"
+                if copying is not None:  # in order: the step before counts first
+                    problem = finish_copy()
+                    if problem:  # this one's blocks do not count: given back
+                        this.finish()
+                        break
+                copying = this
                 if good < s.count:  # the read stops here: no next copy to overlap
                     copying.why = copying.why or first_problem(results)
                     problem = finish_copy()
                     break
                 continue
+            if copying is not None:  # in order: the lent step before this one first
+                problem = finish_copy()
+                if problem:
+                    pending.appendleft(s)  # not used: stopped below
+                    break
             if not finished:
                 late.append(s)  # its leading loaded blocks still count
             if good and s.rows is not None:

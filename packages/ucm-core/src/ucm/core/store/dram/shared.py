@@ -634,11 +634,31 @@ class _ArenaWrites(SlotWrites):
                 [i for i, got in enumerate(self._reserved) if not isinstance(got, bool)]
             )
             raise ValueError(f"{len(digests)} digests for {len(self._reserved)} keys")
+        if digests is not None and self.takes_digests:
+            return self._book(digests, settled)
         return self._store._spread(
             len(self._reserved), nbytes, self._store._seal_chunk, self._arena, self._words,
             self._reserved, self.views, self._layout_word, digests, settled=settled,
             undo=self._give_back,
         )  # fmt: skip
+
+    def _book(self, digests: Sequence[int | None], settled: list[KeyResult | None]) -> Task:
+        """Publish the batch with the caller's digests, here, in one hold of the lock: with
+        no byte to read, handing it to the copy threads a chunk at a time only costs."""
+        task = Task(len(self._reserved))
+        done = [i for i, r in enumerate(settled) if r is not None]
+        task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
+        todo = [i for i, r in enumerate(settled) if r is None]
+        if todo:
+            task.run_keys(
+                todo,
+                lambda: self._store._seal_chunk(
+                    task, todo, self._arena, self._words, self._reserved, self.views,
+                    self._layout_word, digests,
+                ),
+                lambda: self._give_back(todo),
+            )  # fmt: skip
+        return task
 
     def abort(self) -> None:
         self._end()
