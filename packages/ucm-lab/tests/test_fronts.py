@@ -1,5 +1,6 @@
 """The distributions' seams: each library package imports another only through its public
-front (``ucm.core`` and its two public modules of settings; ``ucm.kernels`` and its mover),
+front (``ucm.core``, its two public modules of settings and the block digest's definition;
+``ucm.kernels`` and its mover),
 and only downwards (adapters -> kernels -> core); ucm-core imports no engine and no torch."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 PACKAGES = Path(__file__).resolve().parents[2]
 #: what another distribution may import of each library package
 FRONTS = {
-    "ucm.core": {"ucm.core", "ucm.core.config", "ucm.core.settings"},
+    # the digest: a GPU's copy kernels compute it as the core does (ucm.kernels.digest)
+    "ucm.core": {"ucm.core", "ucm.core.config", "ucm.core.settings", "ucm.core.digest"},
     "ucm.kernels": {"ucm.kernels", "ucm.kernels.mover"},
     "ucm.vllm": {"ucm.vllm"},
     "ucm.fastdeploy": {"ucm.fastdeploy"},

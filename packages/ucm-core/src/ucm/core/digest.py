@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from ucm.core import native
+from ucm.core.native import NATIVE
 
 P1 = 0x9E3779B185EBCA87
 P2 = 0xC2B2AE3D27D4EB4F
@@ -38,7 +38,7 @@ MASK = (1 << 64) - 1
 _NUMPY_WORDS = 1 << 17
 
 #: the compiled library, None where the wheel has none (then numpy; tests set it None)
-_LIBRARY = native.NATIVE
+_LIBRARY = NATIVE
 
 
 def finish(total: int, nbytes: int) -> int:

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from ucm.core import native
 from ucm.core.digest import Digest, block_digest
+from ucm.core.native import NATIVE
 from ucm.core.signing import BlockSigner
 from ucm.core.store.payload import address_of
 
@@ -36,7 +36,7 @@ Move = tuple[Sequence[memoryview], memoryview]
 
 
 #: the compiled library (None: a pure-Python wheel; tests set it None)
-_LIBRARY = native.NATIVE
+_LIBRARY = NATIVE
 
 
 def compiled() -> bool:
