@@ -19,12 +19,15 @@ size this prints:
   per GB of each way (the process's, every thread's);
 * the same copies into slots in random order, as an arena that has turned over hands them
   out, by DMA and by the kernel writing host memory itself (``direct=True``);
-* how long registering the arena took.
+* how long registering the arena took;
+* with ``--stages``, the device-checked dump and load of each size stage by stage (the
+  store's calls, the copies, the bookkeeping), medians of ``--repeat`` batches.
 
 On the CPU (no GPU) the same copies run on a CPU cache: nothing is registered, and the
 "pinned" buffer is plain memory.
 
     python -m ucm.lab.kernels.bench_tier [--device auto|cpu|cuda] [--repeat N] [--json]
+        [--stages]
 """
 
 from __future__ import annotations
@@ -271,13 +274,60 @@ def _measure(case: Case, repeat: int) -> dict[str, float]:
     return t
 
 
-def run(device: torch.device, sizes: list[int], total_bytes: int, repeat: int) -> list[dict]:
+def _stages(case: Case, repeat: int) -> dict[str, float]:
+    """Median milliseconds of each stage of a device-checked dump and load of one batch."""
+    times: dict[str, list[float]] = {}
+    mark = [0.0]
+
+    def lap(name: str = "") -> None:
+        """End the stage under way (``name``; "" starts the first) and start the next."""
+        case.sync()
+        now = time.perf_counter()
+        if name:
+            times.setdefault(name, []).append(now - mark[0])
+        mark[0] = now
+
+    for _ in range(repeat + 1):  # the first round warms up
+        keys = case.keys()
+        digests = torch.zeros(case.count, dtype=torch.int64, pin_memory=case.registered)
+        lap()
+        writes = case.store.open_writes(keys, case.nbytes, TAG)
+        assert writes is not None
+        lap("open_writes")
+        rows = case.slot_tensors(writes.views)
+        lap("slot rows")
+        case.stager.dump(case.caches, case.ids, rows).wait()
+        lap("copy alone")
+        case.stager.dump(case.caches, case.ids, rows, digests=digests).wait()
+        lap("copy and digest")
+        found = [d & ((1 << 64) - 1) for d in digests.tolist()]
+        case.store.wait(writes.commit(found))
+        lap("commit (book)")
+        rows = []
+        reads = case.store.open_reads(keys, case.nbytes, TAG, check=False)
+        assert reads is not None and reads.digests is not None
+        lap("open_reads")
+        rows = case.slot_tensors(reads.views)
+        lap("lent rows")
+        case.stager.load_checked(case.caches, case.ids, rows, reads.digests)[1].wait()
+        lap("checked load")
+        rows = []
+        reads.release()
+        lap("release")
+        case.store.remove(keys)
+    return {k: 1e3 * statistics.median(v[1:]) for k, v in times.items()}
+
+
+def run(
+    device: torch.device, sizes: list[int], total_bytes: int, repeat: int, stages: bool = False
+) -> list[dict]:
     out = []
     for block_bytes in sizes:
         case = Case(device, block_bytes, total_bytes)
         try:
             _check(case)
             t = _measure(case, repeat)
+            staged = _stages(case, repeat) if stages else {}
         finally:
             case.close()
         gb = case.count * case.nbytes / 1e9
@@ -287,6 +337,7 @@ def run(device: torch.device, sizes: list[int], total_bytes: int, repeat: int) -
             "register_s": case.register_s, "region_bytes": case.region_bytes,
             "gb_s": gbs,
             "cpu_s_per_gb": {k: v / gb for k, v in CPU_SECONDS.items()},
+            "stages_ms": staged,
             "ratios": {
                 "d2h": gbs["d2h_slots"] / gbs["d2h_pinned"],
                 "h2d": gbs["h2d_slots"] / gbs["h2d_pinned"],
@@ -349,6 +400,10 @@ def _print(device: torch.device, rows: list[dict]) -> None:
             f"pinned copy {c['d2h_pinned']:.3f} / {c['h2d_pinned']:.3f}"
         )
     for r in rows:
+        if r["stages_ms"]:
+            cells = ", ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items())
+            print(f"{r['block_bytes'] // 1024:>5}KiB stages, ms: {cells}")
+    for r in rows:
         if r["registered"]:
             gib = r["region_bytes"] / 2**30
             print(
@@ -364,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mib", type=int, default=512, help="bytes a batch moves")
     parser.add_argument("--sizes-kib", default="256,2048", help="store block sizes")
     parser.add_argument("--json", action="store_true", help="print every figure as JSON last")
+    parser.add_argument(
+        "--stages", action="store_true", help="time the device-checked dump and load by stage"
+    )
     args = parser.parse_args(argv)
     wanted = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -372,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
-    rows = run(device, sizes, args.total_mib * MIB, args.repeat)
+    rows = run(device, sizes, args.total_mib * MIB, args.repeat, args.stages)
     _print(device, rows)
     if args.json:
         print(json.dumps({"device": str(device), "cases": rows}))
