@@ -277,3 +277,48 @@ def test_a_block_that_fails_to_copy_gives_its_slot_back_at_once(shm_dir):
     assert stats["writing"] == 0 and stats["free_slots"] == arena.geometry.slots - 1
     assert store.lookup([key(1), key(2)]) == [False, True]
     store.close()
+
+
+def _arena_books(store: SharedMemoryStore) -> dict:
+    """Every column and counter of the arena, the index as the set of its entries."""
+    a = store._arena
+    npc = a.np
+    cols = {n: npc[n].copy() for n in ("state", "pins", "gen", "owner", "key0", "key1",
+                                       "length", "layout", "last_used", "seal")}  # fmt: skip
+    live = npc["islot"] < a.geometry.slots
+    cols["index"] = sorted(
+        zip(npc["ik0"][live].tolist(), npc["ik1"][live].tolist(), npc["islot"][live].tolist())
+    )
+    cols["counters"] = [int(a._sb[i]) for i in (5, 7, 9, 12, 14)]  # tick, free, used, tombs, bytes
+    return cols
+
+
+@pytest.mark.parametrize("vector", [True, False])
+def test_large_batches_are_published_and_pinned_as_key_by_key(shm_dir, monkeypatch, vector):
+    # numpy for the batches where nothing unusual happens, the loop otherwise: the books
+    # must come out the same either way, the unusual cases included (a key twice, one
+    # published meanwhile by another writer, a slot given back unwritten, misses)
+    runs = {}
+    for way in ("numpy", "loop"):
+        monkeypatch.setattr(arena_module, "VECTOR_MIN_KEYS", 32 if way == "numpy" else 10**9)
+        root = shm_dir / way
+        store = open_store(root, block=4096)
+        a = store._arena
+        words = [(1000 + i, 7 * i + 1) for i in range(64)]
+        r = a.reserve(words, 4)
+        written = [(*got, 4096, 3, bytes([i]) * 8) for i, got in enumerate(r)]
+        if not vector:  # unusual: one given back unwritten, one published meanwhile
+            written[5] = (*r[5], -1, 0, b"")
+            (other,) = a.reserve([words[9]], 4)  # another copy of key 9, published first
+            assert a.publish([(*other, 4096, 3, b"x" * 8)], [words[9]]) == [True]
+        assert a.publish(written, words) == [i != 5 or vector for i in range(64)]
+        pins = a.pin(words + [(5, 5)] + ([words[0]] if not vector else []))
+        assert pins[64] is None  # a miss
+        a.unpin([p for p in pins if p is not None])
+        runs[way] = (_arena_books(store), [None if p is None else p[2:] for p in pins])
+        store.close()
+    books, pinned = runs["numpy"]
+    want_books, want_pinned = runs["loop"]
+    assert pinned == want_pinned
+    for name in want_books:
+        np.testing.assert_array_equal(np.asarray(books[name]), np.asarray(want_books[name]), name)

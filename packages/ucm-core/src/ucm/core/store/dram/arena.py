@@ -61,7 +61,15 @@ from ucm.core.store.dram.files import (
     flock_until,
     open_own_or_create,
 )
-from ucm.core.store.dram.index import TOMB, Index, bulk_find, bulk_insert, homes
+from ucm.core.store.dram.index import (
+    EMPTY,
+    LONG_WALK,
+    TOMB,
+    Index,
+    bulk_find,
+    bulk_insert,
+    homes,
+)
 from ucm.core.store.dram.layout import (
     ARENA_FILE,
     COLUMNS,
@@ -98,6 +106,9 @@ __all__ = [
 #: a reader holding a pin longer than this is presumed gone: its slot may be evicted (the
 #: reader then finds the slot's ``gen`` changed, and what it read is a miss)
 LEASE_NS = 30_000_000_000
+#: batches of at least this many keys are pinned and published with numpy where nothing
+#: unusual happens (no duplicate key, every slot as expected); the others key by key
+VECTOR_MIN_KEYS = 32
 #: the longest wait for the lock on the engine's path (a holder stopped, not killed, would
 #: otherwise stall every process of the host); the call then fails as a miss or an error
 LOCK_WAIT_S = 2.0
@@ -532,6 +543,10 @@ class Arena:
         seen: set[tuple[int, int]] = set()
         with self.locked(wait_s):
             word = self._writer()
+            if len(keys) >= VECTOR_MIN_KEYS:
+                reserved = self._reserve_all(keys, word)
+                if reserved is not None:
+                    return reserved
             find = self._index.find
             for k0, k1 in keys:
                 if (k0, k1) in seen or find(k0, k1) >= 0:
@@ -548,6 +563,34 @@ class Arena:
                 self._k0[s], self._k1[s] = k0, k1
                 out.append((s, self._gen[s]))
         return out
+
+    def _reserve_all(
+        self, keys: Sequence[tuple[int, int]], word: int
+    ) -> list[tuple[int, int] | bool] | None:
+        """:meth:`reserve`'s loop with numpy (caller holds the lock), where nothing unusual
+        happens: no key twice, none stored, free slots for all (no eviction); else None (the
+        loop handles it, and reports a damaged free stack)."""
+        npc, sb = self.np, self._sb
+        n, top = len(keys), int(sb[SB_FREE_TOP])
+        if top < n or top > self.geometry.slots or len(set(keys)) != n:
+            return None
+        words = np.array(keys, dtype=np.uint64).reshape(-1, 2)
+        found = bulk_find(
+            self._salt, npc["ik0"], npc["ik1"], npc["islot"], words[:, 0], words[:, 1]
+        )
+        if (found != EMPTY).any():
+            return None
+        taken = npc["free"][top - n : top][::-1].astype(np.int64)  # popped from the top
+        if (taken >= self.geometry.slots).any():
+            return None
+        if (npc["state"][taken] != FREE).any() or np.unique(taken).size != n:
+            return None
+        sb[SB_FREE_TOP] = top - n
+        npc["state"][taken] = WRITING
+        npc["owner"][taken] = word
+        npc["lease"][taken] = 0  # a writer's slot has no lease: it is its until it dies
+        npc["key0"][taken], npc["key1"][taken] = words[:, 0], words[:, 1]
+        return list(zip(taken.tolist(), npc["gen"][taken].tolist()))
 
     def slot(self, s: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of slot ``s`` (the data must be mapped)."""
@@ -573,6 +616,10 @@ class Arena:
         sb = self._sb
         with self.locked(wait_s):
             word = self._owner_word
+            if word and len(written) >= VECTOR_MIN_KEYS:
+                published = self._publish_all(written, keys, word)
+                if published is not None:
+                    return published
             find, insert = self._index.find, self._index.insert
             self._seq_begin()
             for (s, gen, length, layout, seal), (k0, k1) in zip(written, keys):
@@ -613,6 +660,62 @@ class Arena:
             self._seq_end()
         return out
 
+    def _publish_all(
+        self,
+        written: Sequence[tuple[int, int, int, int, bytes]],
+        keys: Sequence[tuple[int, int]],
+        word: int,
+    ) -> list[bool] | None:
+        """:meth:`publish`'s loop with numpy (caller holds the lock), where nothing unusual
+        happens: every slot still this writer's for its key, every length given, no key
+        twice and none published meanwhile; else None (the loop handles it)."""
+        npc, sb = self.np, self._sb
+        slots = np.array([w[0] for w in written], dtype=np.int64)
+        gens = np.array([w[1] for w in written], dtype=np.uint64)
+        lengths = np.array([w[2] for w in written], dtype=np.int64)
+        if (lengths < 0).any() or len(set(keys)) != len(keys):
+            return None
+        if np.unique(slots).size != slots.size:
+            return None
+        words = np.array(keys, dtype=np.uint64).reshape(-1, 2)
+        mine = (
+            (npc["state"][slots] == WRITING)
+            & (npc["gen"][slots] == gens)
+            & (npc["owner"][slots] == word)
+            & (npc["key0"][slots] == words[:, 0])
+            & (npc["key1"][slots] == words[:, 1])
+        )
+        if not mine.all():
+            return None
+        found = bulk_find(
+            self._salt, npc["ik0"], npc["ik1"], npc["islot"], words[:, 0], words[:, 1]
+        )
+        if (found != EMPTY).any():
+            return None
+        self._seq_begin()
+        npc["length"][slots] = lengths
+        npc["layout"][slots] = np.array([w[3] for w in written], dtype=np.uint64)
+        npc["seal"][slots] = np.array([w[4].ljust(SEAL_BYTES, b"\0") for w in written], "V32")
+        tick = int(sb[SB_TICK])
+        npc["last_used"][slots] = np.arange(tick + 1, tick + 1 + slots.size, dtype=np.uint64)
+        sb[SB_TICK] = tick + slots.size
+        npc["lease"][slots] = 0
+        inserted = bulk_insert(self._salt, npc["ik0"], npc["ik1"], npc["islot"],
+                               words[:, 0], words[:, 1], slots.astype(np.uint32))  # fmt: skip
+        sb[SB_TOMBS] -= inserted.tombs
+        index = self._index
+        index.long_walk |= inserted.rounds > LONG_WALK or inserted.left.size > 0
+        ok = np.ones(slots.size, bool)
+        ok[inserted.left] = False  # no bucket: a damaged index, rebuilt on the way out
+        for s in slots[~ok].tolist():
+            self._free_slot(s)
+        npc["owner"][slots[ok]] = 0
+        npc["state"][slots[ok]] = READY  # publish: the one store that makes the slots whole
+        sb[SB_USED] += int(ok.sum())
+        sb[SB_BYTES] += int(lengths[ok].sum())
+        self._seq_end()
+        return ok.tolist()
+
     def pin(
         self, keys: Sequence[tuple[int, int]], wait_s: float = LOCK_WAIT_S
     ) -> list[Pinned | None]:
@@ -622,7 +725,14 @@ class Arena:
         out: list[Pinned | None] = []
         sb = self._sb
         slots = self.geometry.slots
+        words = (
+            np.array(keys, dtype=np.uint64).reshape(-1, 2) if len(keys) >= VECTOR_MIN_KEYS else None
+        )
         with self.locked(wait_s):
+            if words is not None:
+                pinned = self._pin_all(words, now)
+                if pinned is not None:
+                    return pinned
             find, islot = self._index.find, self._islot
             for k0, k1 in keys:
                 b = find(k0, k1)
@@ -638,6 +748,39 @@ class Arena:
                 seal = bytes(self._seal[s * SEAL_BYTES : (s + 1) * SEAL_BYTES])
                 out.append(Pinned(s, self._gen[s], self._len[s], self._layout[s], seal))
         return out
+
+    def _pin_all(self, words: np.ndarray, now: int) -> list[Pinned | None] | None:
+        """:meth:`pin`'s loop with numpy (caller holds the lock); None where a key appears
+        twice (the loop counts each pin)."""
+        npc, sb = self.np, self._sb
+        found = bulk_find(
+            self._salt, npc["ik0"], npc["ik1"], npc["islot"], words[:, 0], words[:, 1]
+        )
+        hit = found < self.geometry.slots
+        at = found[hit].astype(np.int64)
+        hit[hit] = (
+            (npc["state"][at] == READY)
+            & (npc["key0"][at] == words[hit, 0])
+            & (npc["key1"][at] == words[hit, 1])
+        )
+        at = found[hit].astype(np.int64)
+        if np.unique(at).size != at.size:
+            return None
+        npc["pins"][at] += 1
+        npc["lease"][at] = np.maximum(npc["lease"][at], now + LEASE_NS)
+        tick = int(sb[SB_TICK])
+        npc["last_used"][at] = np.arange(tick + 1, tick + 1 + at.size, dtype=np.uint64)
+        sb[SB_TICK] = tick + at.size
+        seals = npc["seal"][at].tolist()  # bytes, one a slot
+        rows = zip(
+            at.tolist(),
+            npc["gen"][at].tolist(),
+            npc["length"][at].tolist(),
+            npc["layout"][at].tolist(),
+            seals,
+        )
+        made = iter([Pinned(*row) for row in rows])
+        return [next(made) if h else None for h in hit.tolist()]
 
     def unpin(
         self, pinned: Sequence[Pinned], bad: Sequence[Pinned] = (), wait_s: float = LOCK_WAIT_S

@@ -23,7 +23,7 @@ owner-only file, hides which keys collide.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -154,19 +154,21 @@ def bulk_insert(
     k0: np.ndarray,
     k1: np.ndarray,
     slots: np.ndarray,
-) -> int:
+) -> Inserted:
     """Insert keys known to be absent and distinct: each round, every pending key takes its
     bucket if free (EMPTY or TOMB; the first of several contenders wins), the others probe
     on.  Key words are written before the slot word (lock-free readers match on a slot below
-    TOMB only).  Returns how many tombstones were taken.  Callers insert at most half as
-    many keys as there are buckets into an index they emptied, so every key finds one."""
+    TOMB only).  Returns how many tombstones were taken, the rounds it took (the longest
+    walk) and the keys left without a bucket (none unless the index is full: a damaged
+    one, or more keys than half the buckets)."""
     mask = np.uint64(islot.size - 1)
     pos = homes(salt, k0, islot.size)
     todo = np.arange(k0.size)
-    tombs = 0
+    tombs = rounds = 0
     for _ in range(islot.size):
         if not todo.size:
             break
+        rounds += 1
         p = pos[todo]
         free = islot[p] >= TOMB
         cand = todo[free]
@@ -180,4 +182,12 @@ def bulk_insert(
         won[win] = True
         todo = todo[~won[todo]]
         pos[todo] = (pos[todo] + np.uint64(1)) & mask
-    return tombs
+    return Inserted(tombs, rounds, todo)
+
+
+class Inserted(NamedTuple):
+    """What :func:`bulk_insert` did."""
+
+    tombs: int  # tombstones taken
+    rounds: int  # probe rounds: the longest walk
+    left: np.ndarray  # positions of the keys that found no bucket
