@@ -23,14 +23,19 @@ from typing import overload
 import torch
 
 from ucm.kernels.spec import PayloadLayout, make_layout
-from ucm.kernels.validate import TransferPlan, normalise_block_ids, normalise_caches
+from ucm.kernels.validate import (
+    CheckedCaches,
+    TransferPlan,
+    normalise_block_ids,
+    normalise_caches,
+)
 
 #: one store block's payload: byte views whose concatenation it is
 Segments = list[memoryview]
 
 
 def block_segments(
-    caches: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor] | CheckedCaches,
     block_ids: object,
     *,
     token_range: tuple[int, int] | None = None,
@@ -41,12 +46,18 @@ def block_segments(
     order; ``None`` when the layout does not allow it (then use gather/scatter).
 
     Same arguments as :func:`ucm.kernels.gather`, checked the same way.  The views share the
-    caches' memory: a store that loads into them writes the cache blocks directly.
+    caches' memory: a store that loads into them writes the cache blocks directly.  Caches
+    checked already (:func:`~ucm.kernels.validate.check_caches`) carry their scales.
     """
-    views, scale_views, spec = normalise_caches(caches, scales)
+    memo = None
+    if isinstance(caches, CheckedCaches):
+        views, scale_views, spec = caches.views, caches.scales, caches.spec
+        memo = caches.memo
+    else:
+        views, scale_views, spec = normalise_caches(caches, scales)
     ids = normalise_block_ids(block_ids, spec.num_blocks)
     layout = make_layout(spec, int(ids.shape[1]), token_range)
-    return segments_of(views, scale_views, layout, ids, null_block_id)
+    return segments_of(views, scale_views, layout, ids, null_block_id, memo)
 
 
 def plan_segments(plan: TransferPlan) -> BlockSegments | None:
@@ -60,14 +71,32 @@ def segments_of(
     layout: PayloadLayout,
     block_ids: torch.Tensor,
     null_block_id: int | None,
+    memo: dict | None = None,
 ) -> BlockSegments | None:
-    """The segments of ``[B, H, N, P, D]`` cache views; see :func:`block_segments`."""
+    """The segments of ``[B, H, N, P, D]`` cache views; see :func:`block_segments`.  The
+    caches' runs depend on the layout only: ``memo`` keeps them per layout (the caches'
+    own, :class:`~ucm.kernels.validate.CheckedCaches`), a call then costs its block ids."""
     if caches[0].device.type != "cpu":
         return None
-    spec = layout.cache
     involved = block_ids[:, layout.first_block : layout.end_block]
     if null_block_id is not None and bool((involved == null_block_id).any()):
         return None  # a null block reads as zeros and is never written: not memory
+    key = ("runs", layout.first_block, layout.end_block, layout.token_start, layout.token_end)
+    if memo is None or key not in memo:
+        found = _runs(caches, scales, layout)
+        if memo is None:
+            return None if found is None else BlockSegments(*found, involved.tolist())
+        memo[key] = found
+    found = memo[key]
+    return None if found is None else BlockSegments(*found, involved.tolist())
+
+
+def _runs(
+    caches: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None, layout: PayloadLayout
+) -> tuple[list, list] | None:
+    """Per cache tensor (then per scale tensor): its bytes, the bytes of a block, and each
+    involved engine block's (offset, length) in it; None where a run is not contiguous."""
+    spec = layout.cache
     count = layout.num_involved_blocks
     if count > 1 and spec.num_heads > 1:
         return None  # heads are outermost in the payload: the blocks' runs interleave
@@ -93,8 +122,7 @@ def segments_of(
         size = scale.element_size()
         entry = math.prod(scale.shape[1:]) * size
         runs.append((_flat_bytes(scale), scale.stride(0) * size, [(0, entry)]))
-    data, scale_runs = runs[: len(caches)], runs[len(caches) :]
-    return BlockSegments(data, scale_runs, involved.tolist())
+    return runs[: len(caches)], runs[len(caches) :]
 
 
 class BlockSegments(Sequence[Segments]):

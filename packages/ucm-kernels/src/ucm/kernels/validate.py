@@ -74,6 +74,8 @@ class CheckedCaches:
     views: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...] | None
     spec: CacheSpec
+    #: what callers derive from the caches alone, kept with them (the in-place runs)
+    memo: dict = attrs.field(factory=dict, repr=False)
 
     @property
     def device(self) -> torch.device:

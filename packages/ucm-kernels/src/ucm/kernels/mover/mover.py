@@ -224,7 +224,7 @@ class Mover:
         if caches.device.type != "cpu":
             return None
         try:
-            segments = block_segments(list(caches.tensors), batch.block_ids, **caches.options())
+            segments = block_segments(caches.checked(), batch.block_ids, **caches.copy_options())
         except (TypeError, ValueError) as exc:  # the copy kernels check and report the same
             log.debug("ucm: payloads as views of the cache not possible (%s)", exc)
             return None
