@@ -63,8 +63,8 @@ def row_digests(rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Each row's digest, as the int64 with its bits (:func:`unsigned` gives the digest), on
     the rows' device.  ``rows``: ``[S, nbytes]`` uint8, each row contiguous, ``nbytes`` a
     multiple of 8 (a block of the caches' dtype).  ``backend``: ``"triton"`` (a GPU, or the
-    interpreter), ``"torch"``, or ``"auto"`` (Triton on a GPU; on the CPU the compiled
-    library, row by row)."""
+    interpreter), ``"auto"`` (Triton on a GPU; on the CPU the compiled library, row by row),
+    or another of the copy kernels' backends (``"torch"``, ``"reference"``: torch ops)."""
     if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.stride(1) != 1:
         raise ValueError("rows must be a [S, nbytes] uint8 tensor with contiguous rows")
     count, nbytes = rows.shape
@@ -75,7 +75,11 @@ def row_digests(rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
     words = rows.view(torch.int64)  # rows apart in one storage too: their strides are whole words
-    if backend == "torch" or (backend == "auto" and rows.device.type != "cuda"):
+    if backend == "auto":
+        from ucm.kernels.api import triton_available  # the copy kernels' rule: no cycle
+
+        backend = "triton" if triton_available(rows.device) else "torch"
+    if backend != "triton":
         total = torch.zeros(count, dtype=torch.int64, device=rows.device)
         for at in range(0, words.shape[1], _TORCH_WORDS):
             total += _terms(words[:, at : at + _TORCH_WORDS], at).sum(1)
