@@ -14,7 +14,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Literal
 
-import attrs
 import torch
 
 from ucm.kernels.fallback import run_fallback
@@ -64,7 +63,7 @@ def execute(plan: TransferPlan, backend: str = "auto") -> str:
     """Run a checked plan; return the backend that ran it."""
     chosen = resolve_backend(backend, plan.device)
     if plan.keep is not None and chosen != "triton":
-        plan = _kept(plan)  # the other backends take whole plans: the verdicts read here
+        plan = plan.kept()  # the other backends take whole plans: the verdicts read here
     if plan.num_store_blocks == 0:
         return chosen
     if chosen == "reference":
@@ -88,7 +87,7 @@ def execute(plan: TransferPlan, backend: str = "auto") -> str:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-                run_fallback(_kept(plan) if plan.keep is not None else plan)
+                run_fallback(plan.kept())
                 chosen = "torch"
         else:
             mod.run_triton(plan)
@@ -184,22 +183,3 @@ def payload_layout(
 ) -> PayloadLayout:
     """The :class:`~ucm.kernels.spec.PayloadLayout` for these caches."""
     return make_layout(describe_caches(caches, scales), blocks_per_store_block, token_range)
-
-
-def _kept(plan: TransferPlan) -> TransferPlan:
-    """A plan with ``keep`` as the plan of the kept store blocks alone (waits for the
-    device's verdicts)."""
-    assert plan.keep is not None
-    kept = [i for i, k in enumerate(plan.keep.tolist()) if k]
-    stacked = plan.stacked[kept] if plan.stacked is not None and len(kept) else None
-    raw_stacked = plan.raw_stacked[kept] if plan.raw_stacked is not None and len(kept) else None
-    return attrs.evolve(
-        plan,
-        keep=None,
-        block_ids=plan.block_ids[kept],
-        data=tuple(plan.data[i] for i in kept),
-        scale_bytes=None if plan.scale_bytes is None else tuple(plan.scale_bytes[i] for i in kept),
-        raw=tuple(plan.raw[i] for i in kept),
-        stacked=stacked,
-        raw_stacked=raw_stacked,
-    )

@@ -253,5 +253,5 @@ def run_triton(plan: TransferPlan) -> None:
             GATHER=plan.direction == GATHER,
             num_warps=_NUM_WARPS,
         )
-    if plan.scales is not None:
-        copy_scales(plan)
+    if plan.scales is not None:  # the kept blocks' only (a rare layout: the verdicts read here)
+        copy_scales(plan.kept())

@@ -59,6 +59,25 @@ class TransferPlan:
     def device(self) -> torch.device:
         return self.caches[0].device
 
+    def kept(self) -> TransferPlan:
+        """This plan without ``keep``: of the kept store blocks alone (waits for the
+        device's verdicts)."""
+        if self.keep is None:
+            return self
+        kept = [i for i, k in enumerate(self.keep.tolist()) if k]
+        return attrs.evolve(
+            self,
+            keep=None,
+            block_ids=self.block_ids[kept],
+            data=tuple(self.data[i] for i in kept),
+            scale_bytes=None
+            if self.scale_bytes is None
+            else tuple(self.scale_bytes[i] for i in kept),
+            raw=tuple(self.raw[i] for i in kept),
+            stacked=self.stacked[kept] if self.stacked is not None and kept else None,
+            raw_stacked=self.raw_stacked[kept] if self.raw_stacked is not None and kept else None,
+        )
+
     def involved_ids(self) -> torch.Tensor:
         """``[S, j1 - j0]``: the engine blocks the token range touches."""
         return self.block_ids[:, self.layout.first_block : self.layout.end_block]
