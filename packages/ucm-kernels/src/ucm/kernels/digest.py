@@ -21,12 +21,12 @@ import torch
 from ucm.core.digest import MIX, P1, P2, block_digest
 
 #: words a program sums (16 KiB of a row)
-_CHUNK_WORDS = 2048
+CHUNK_WORDS = 2048
 #: words the torch fallback sums at once (bounds its temporaries)
 _TORCH_WORDS = 1 << 20
 
 
-def _signed(x: int) -> int:
+def as_int64(x: int) -> int:
     """An unsigned 64-bit value as the int64 with its bits."""
     x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -47,15 +47,15 @@ def _terms(w: torch.Tensor, first: int) -> torch.Tensor:
     """Each word's term (see :mod:`ucm.core.digest`), words ``[first, first + n)`` of their
     rows."""
     key = torch.arange(first + 1, first + 1 + w.shape[-1], dtype=torch.int64, device=w.device)
-    v = w ^ (key * _signed(P1))
+    v = w ^ (key * as_int64(P1))
     return (v & 0xFFFFFFFF) * _high(v) + ((w << 32) | _high(w))
 
 
 def _finish(total: torch.Tensor, nbytes: int) -> torch.Tensor:
     """:func:`ucm.core.digest.finish` on int64 tensors."""
-    h = total ^ _signed(nbytes * P2)
+    h = total ^ as_int64(nbytes * P2)
     h = h ^ ((h >> 37) & 0x7FFFFFF)
-    h = h * _signed(MIX)
+    h = h * as_int64(MIX)
     return h ^ _high(h)
 
 
@@ -71,7 +71,9 @@ def row_digests(rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if nbytes % 8 or rows.stride(0) % 8 or rows.data_ptr() % 8:
         raise ValueError(f"rows of {nbytes} bytes: a digest on the device takes whole words")
     if backend == "auto" and rows.device.type == "cpu":
-        return torch.tensor([_signed(block_digest(row.numpy())) for row in rows], dtype=torch.int64)
+        return torch.tensor(
+            [as_int64(block_digest(row.numpy())) for row in rows], dtype=torch.int64
+        )
     if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
     words = rows.view(torch.int64)  # rows apart in one storage too: their strides are whole words

@@ -37,7 +37,7 @@ import attrs
 import torch
 
 from ucm.kernels.api import Backend, execute
-from ucm.kernels.digest import _signed, row_digests
+from ucm.kernels.digest import as_int64, row_digests
 from ucm.kernels.spec import PayloadLayout
 from ucm.kernels.validate import (
     GATHER,
@@ -222,7 +222,7 @@ class HostStager:
         count = plan.num_store_blocks
         if len(expected) != count:
             raise ValueError(f"{len(expected)} digests for {count} blocks")
-        want = torch.tensor([_signed(e) for e in expected], dtype=torch.int64)
+        want = torch.tensor([as_int64(e) for e in expected], dtype=torch.int64)
         if plan.device.type != "cuda":
             got = torch.cat([row_digests(row.view(1, -1)) for row in plan.raw]) if count else want
             ok = got == want

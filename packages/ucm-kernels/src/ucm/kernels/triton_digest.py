@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from ucm.core.digest import P1
 
-from ucm.kernels.digest import _CHUNK_WORDS, _signed
+from ucm.kernels.digest import CHUNK_WORDS, as_int64
 
 
 @triton.jit
@@ -40,9 +40,9 @@ def _chunk_sums(
 def row_sums(words: torch.Tensor) -> torch.Tensor:
     """Per row of ``words`` (int64 ``[S, W]``, rows contiguous), the sum of its terms."""
     count, nwords = words.shape
-    chunks = triton.cdiv(nwords, _CHUNK_WORDS)
+    chunks = triton.cdiv(nwords, CHUNK_WORDS)
     out = torch.empty(count * chunks, dtype=torch.int64, device=words.device)
     _chunk_sums[(count * chunks,)](
-        words, out, nwords, words.stride(0), chunks, _signed(P1), CHUNK=_CHUNK_WORDS
+        words, out, nwords, words.stride(0), chunks, as_int64(P1), CHUNK=CHUNK_WORDS
     )
     return out.view(count, chunks).sum(1)
