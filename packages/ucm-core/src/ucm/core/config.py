@@ -181,6 +181,7 @@ __all__ = [
     "StoreSettings",
     "TieredStoreConfig",
     "default_store_path",
+    "digests_on_gpu_setting",
     "for_lookups_only",
     "from_dict",
     "gib_to_bytes",
@@ -193,5 +194,4 @@ __all__ = [
     "wa_dump_block_wise_setting",
     "with_config_file",
     "zero_copy_setting",
-    "digests_on_gpu_setting",
 ]

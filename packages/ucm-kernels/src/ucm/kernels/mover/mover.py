@@ -331,8 +331,9 @@ class Mover:
         return RoomWrite(writes, handle, digests if handle is not None else None)
 
     def lent(self, batch: Batch) -> SlotReads | None:
-        """The batch's stored blocks lent where they lie in its store's memory, checked on
-        the store's threads; None where the store lends none."""
+        """The batch's stored blocks lent where they lie in its store's memory: checked on
+        the store's threads, or unchecked with their stored digests where the copy's device
+        checks them (:meth:`digests_on_device`); None where the store lends none."""
         try:
             return batch.store.open_reads(
                 list(batch.keys), batch.nbytes, batch.tag, check=not self.digests_on_device(batch)
