@@ -1,10 +1,10 @@
-"""Build ucm-core's one compiled part (``native/``): the block digest and the dram store's
-sealed copies.
+"""Build ucm-core's one compiled part (``native/``): the block digest, the dram store's
+sealed copies and the posix store's digested reads.
 
 It is a plain shared library loaded with ctypes, not a Python extension, so one wheel serves
 every Python version of a platform (``py3-none-<platform>``).  Where no C compiler is found,
 or it fails, the wheel is built without it, pure Python, and says why: digests are then
-computed with numpy and the dram store copies through Python, correct and slower
+computed with numpy and the stores copy and read through Python, correct and slower
 (``ucm.core.digest``, ``ucm.core.store.dram.sealing``), rather than an install failing for
 want of a speed-up.
 """
@@ -22,7 +22,7 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 LIBRARY = "ucm/core/libucm_native.so"
-SOURCES = ["native/digest.c", "native/sealed_moves.c"]
+SOURCES = ["native/digest.c", "native/sealed_moves.c", "native/file_reads.c"]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fvisibility=hidden"]
 
 

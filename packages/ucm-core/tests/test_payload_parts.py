@@ -11,6 +11,7 @@ from ucm.core.config import DramStoreConfig, PosixStoreConfig
 from ucm.core.digest import block_digest
 from ucm.core.store import DramStore, Payload, PosixStore, Status, TieredStore
 from ucm.core.store.posix import scan_store, verify_block_file
+from ucm.core.store.posix import store as posix_store
 
 
 def key(i: int) -> bytes:
@@ -160,12 +161,12 @@ def test_corrupt_block_read_into_parts_is_a_miss(tmp_path):
 
 
 class Gate:
-    """Holds the first call of ``os.<name>`` made by the store's threads until opened."""
+    """Holds the first call of ``where.<name>`` made by the store's threads until opened."""
 
-    def __init__(self, monkeypatch, name: str) -> None:
+    def __init__(self, monkeypatch, name: str, where=os) -> None:
         self.entered = threading.Event()
         self.opened = threading.Event()
-        real = getattr(os, name)
+        real = getattr(where, name)
 
         def held(*args, **kwargs):
             if threading.current_thread().name.startswith("ucm-posix"):
@@ -173,7 +174,7 @@ class Gate:
                 assert self.opened.wait(10)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(os, name, held)
+        monkeypatch.setattr(where, name, held)
 
 
 def test_a_dump_cancelled_in_progress_is_not_published(tmp_path, monkeypatch):
@@ -197,7 +198,7 @@ def test_cancel_waits_for_a_load_in_progress(tmp_path, monkeypatch):
     with PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), io_threads=1)) as s:
         data = blob(1, 8192)
         s.wait(s.dump([key(1), key(2)], [data, data]))
-        gate = Gate(monkeypatch, "preadv")
+        gate = Gate(monkeypatch, "read_digested", posix_store)
         out = [bytearray(8192), bytearray(8192)]
         task = s.load([key(1), key(2)], out)
         assert gate.entered.wait(10)
@@ -215,7 +216,7 @@ def test_cancelling_a_tiered_load_cancels_the_backing_load(tmp_path, monkeypatch
     with TieredStore(dram, backing) as s:
         data = blob(1, 4096)
         s.wait(backing.dump([key(1), key(2)], [data, data]))
-        gate = Gate(monkeypatch, "preadv")
+        gate = Gate(monkeypatch, "read_digested", posix_store)
         task = s.load([key(1), key(2)], [bytearray(4096), bytearray(4096)])
         assert gate.entered.wait(10)
         threading.Timer(0.1, gate.opened.set).start()

@@ -18,9 +18,9 @@ pieces at once, a CPU eight words a vector, as fast as XXH3.
 
 What it catches: a flip of any bit in the low half of a word changes that word's term
 always, one in the high half but for 1 in 2**32 of the values around it; two words changed
-at random cancel out with odds of about 1 in 2**64.  It is a checksum, not a MAC: anyone can make two
-payloads with one digest, so a store shared with writers it does not trust signs its blocks
-(:mod:`ucm.core.signing`) and checks the MAC on the host instead.
+at random cancel out with odds of about 1 in 2**64.  It is a checksum, not a MAC: anyone
+can make two payloads with one digest, so a store shared with writers it does not trust
+signs its blocks (:mod:`ucm.core.signing`) and checks the MAC on the host instead.
 """
 
 from __future__ import annotations

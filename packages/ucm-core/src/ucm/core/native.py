@@ -1,5 +1,6 @@
 """ucm-core's compiled library (``native/``: the block digest, the dram store's sealed
-copies), loaded with ctypes where the wheel was built with a C compiler."""
+copies, the posix store's digested reads), loaded with ctypes where the wheel was built
+with a C compiler."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ def _load() -> ctypes.CDLL | None:
     library.ucm_digest_sum.restype = u64
     library.ucm_digest.argtypes = [p, ctypes.c_size_t]
     library.ucm_digest.restype = u64
+    c_int = ctypes.c_int
+    library.ucm_read_digest.argtypes = [c_int, u64, p, p, u64, u64, c_int, c_int, p]
+    library.ucm_read_digest.restype = c_int
+    library.ucm_open_block.argtypes = [c_int, ctypes.c_char_p, ctypes.c_char_p, p, u64, c_int, p]
+    library.ucm_open_block.restype = c_int
+    library.ucm_fs_type.argtypes = [ctypes.c_int]
+    library.ucm_fs_type.restype = ctypes.c_int64
     library.ucm_digest_choose.argtypes = [ctypes.c_int]
     library.ucm_digest_choose.restype = ctypes.c_int
     return library

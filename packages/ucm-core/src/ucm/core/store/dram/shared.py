@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -649,11 +649,12 @@ class _ArenaWrites(SlotWrites):
         done = [i for i, r in enumerate(settled) if r is not None]
         task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
         todo = [i for i, r in enumerate(settled) if r is None]
+        views = cast("list[memoryview]", self.views)  # None only for the settled keys
         if todo:
             task.run_keys(
                 todo,
                 lambda: self._store._seal_chunk(
-                    task, todo, self._arena, self._words, self._reserved, self.views,
+                    task, todo, self._arena, self._words, self._reserved, views,
                     self._layout_word, digests,
                 ),
                 lambda: self._give_back(todo),

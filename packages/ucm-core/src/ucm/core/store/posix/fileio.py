@@ -5,6 +5,7 @@ needs, and removals relative to directory descriptors."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -15,6 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ucm.core.block_format import HEADER_BYTES, BlockFormatError
+from ucm.core.digest import Digest
+from ucm.core.native import NATIVE
+from ucm.core.store.payload import address_of
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -214,3 +218,116 @@ def read_hashing(fd: int, parts: Sequence[memoryview], offset: int, hasher: Any)
             size += piece.nbytes
     if group:
         flush()
+
+
+#: the compiled read (``native/file_reads.c``), None where the wheel has none (tests set it)
+_LIBRARY = NATIVE
+#: preadv2's flag for reading only what the page cache holds (Linux 4.14+)
+RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+# what ucm_open_block reports (native/file_reads.c)
+_SIZE, _INODE, _MODE, _HEADER_READ, _STAGE = range(5)
+_OPENING_FOLDER, _OPENING_FILE = 0, 1
+
+
+def open_block_reading(
+    blocks_fd: int, name: str, header: memoryview, flags: int = 0, *, direct: bool = False
+) -> tuple[int, int, int, int]:
+    """Block file ``name`` (in its folder ``name[:2]`` of ``blocks_fd``) opened for reading
+    as :func:`open_block_folder` and :func:`open_block` do, and its first bytes read into
+    ``header`` (preadv2's ``flags``; ``direct``: with O_DIRECT, ``header`` aligned).
+    Returns the descriptor, the file's size and inode, and the header bytes read; raises as
+    those two do.  One compiled call where the library is built (not ``direct``)."""
+    library = _LIBRARY
+    if library is None or direct:
+        folder = open_block_folder(blocks_fd, name[:2], create=False)
+        try:
+            fd, st = open_block(name, O_DIRECT if direct else 0, dir_fd=folder)
+        finally:
+            os.close(folder)
+        try:
+            got = pread_into(fd, header, 0) if direct else os.preadv(fd, [header], 0, flags)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size, st.st_ino, got
+    found = (ctypes.c_uint64 * 5)()
+    fd = library.ucm_open_block(
+        blocks_fd, name[:2].encode(), name.encode(), address_of(header), header.nbytes, flags, found
+    )
+    if fd < 0:
+        failed = -fd
+        if failed == errno.ENOENT:
+            raise FileNotFoundError(failed, os.strerror(failed))
+        if found[_STAGE] == _OPENING_FOLDER and failed in (errno.ELOOP, errno.ENOTDIR):
+            raise NotAFolder(
+                failed, f"blocks/{name[:2]} is not a folder of the store (a link or a file)"
+            )
+        if found[_STAGE] == _OPENING_FILE and failed == errno.ELOOP:
+            raise NotABlock("a symbolic link, not a block file")
+        raise OSError(failed, os.strerror(failed))
+    if not stat.S_ISREG(found[_MODE]):
+        os.close(fd)
+        raise NotABlock(f"not a regular file (mode {found[_MODE]:#o})")
+    return fd, found[_SIZE], found[_INODE], found[_HEADER_READ]
+
+
+def read_digested(
+    fd: int, parts: Sequence[memoryview], offset: int, flags: int = 0, *, touch: bool = False
+) -> int:
+    """Fill ``parts`` in order from ``offset`` and return the digest of what they hold
+    (:mod:`ucm.core.digest`), each piece digested right after it is read; then, if
+    ``touch``, set the file's times to now (its recency; not an error where it cannot).
+
+    ``flags``: preadv2's (with RWF_NOWAIT, a page the cache does not hold raises
+    ``BlockingIOError``, the parts filled so far left as they are).  Raises
+    ``BlockFormatError`` if the file ends first.  One compiled call that holds no GIL where
+    the library is built; pieces of :func:`read_hashing` otherwise (no flags)."""
+    library = _LIBRARY
+    if library is None:
+        if flags:
+            raise OSError(errno.EOPNOTSUPP, "read flags need the compiled library")
+        digest = Digest()
+        read_hashing(fd, parts, offset, digest)
+        if touch:
+            try:
+                os.utime(fd)
+            except OSError:
+                pass  # a shared folder may hold files of other users
+        return digest.intdigest()
+    n = len(parts)
+    addrs = (ctypes.c_uint64 * n)(*[address_of(p) for p in parts])
+    lens = (ctypes.c_uint64 * n)(*[p.nbytes for p in parts])
+    out = ctypes.c_uint64()
+    done = library.ucm_read_digest(
+        fd, offset, addrs, lens, n, READ_PIECE, flags, touch, ctypes.byref(out)
+    )
+    if done == 1:
+        raise BlockFormatError("file shrank while being read")
+    if done < 0:
+        raise OSError(-done, os.strerror(-done))
+    return out.value
+
+
+#: fstatfs magic numbers of filesystems whose operations on cached data end without a
+#: device or a network to wait for: ext2/3/4, XFS, Btrfs, F2FS, ZFS, overlayfs.  NFS, SMB,
+#: FUSE and cluster filesystems are not: an open or a read there can wait on a server.
+LOCAL_DISK_FILESYSTEMS = frozenset(
+    {0xEF53, 0x58465342, 0x9123683E, 0xF2F52010, 0x2FC12FC1, 0x794C7630}
+)
+TMPFS = 0x01021994
+
+
+def quick_read_flags(fd: int) -> int | None:
+    """The flags for :func:`read_digested` with which a thread that must not wait on a
+    device reads blocks from the filesystem of ``fd``: RWF_NOWAIT (the page cache only) on
+    a local disk's, 0 on tmpfs (memory, which has no RWF_NOWAIT), None where it cannot:
+    elsewhere, or without the compiled library."""
+    library = _LIBRARY
+    if library is None:
+        return None
+    kind = library.ucm_fs_type(fd)
+    if kind == TMPFS:
+        return 0
+    return RWF_NOWAIT if RWF_NOWAIT and kind in LOCAL_DISK_FILESYSTEMS else None

@@ -51,11 +51,13 @@ from ucm.core.store.posix.fileio import (
     O_DIRECT,
     Bounce,
     NotABlock,
-    open_block,
     open_block_folder,
+    open_block_reading,
     open_dir,
     pread_into,
     pwrite_all,
+    quick_read_flags,
+    read_digested,
     read_hashing,
     round_up,
     unlink_in,
@@ -130,6 +132,10 @@ class PosixStore(Room, Store):
             )
         self._capacity = Capacity(self._limit, self.config.evict_fraction)
         self._direct = self.config.o_direct and bool(O_DIRECT)
+        # A thread that waits for a load reads blocks too, from memory only (the page cache,
+        # or tmpfs) and on a local filesystem only: nothing it does waits on a disk or a
+        # server.  None: it only waits.
+        self._quick_flags = None if self._direct else quick_read_flags(self._blocks_fd)
         self._pool = store_pool(self.config.io_thread_count, "ucm-posix")
         self._bounce = Bounce()
         self._lock = threading.Lock()  # guards the in-flight bytes and the counters below
@@ -259,8 +265,17 @@ class PosixStore(Room, Store):
                 self._scanned.set()
                 self._counted.set()
 
-    def _run(self, n: int, work: Callable[[Task, int], KeyResult]) -> Task:
-        """Run ``work(task, index)`` for every index on the I/O threads."""
+    def _run(
+        self,
+        n: int,
+        work: Callable[[Task, int], KeyResult],
+        quick: Callable[[int], KeyResult | None] | None = None,
+    ) -> Task:
+        """Run ``work(task, index)`` for every index on the I/O threads.
+
+        ``quick(index)``: the key's work for a thread that waits for the task
+        (:meth:`Task.help_with`), done only where it cannot wait on a device (None: left
+        to the I/O threads)."""
         task = Task(n)
         if n == 0:
             return task
@@ -272,6 +287,20 @@ class PosixStore(Room, Store):
 
         for _ in range(min(n, self.config.io_thread_count)):
             self._pool.submit(worker)
+        if quick is not None:
+
+            def help_once() -> bool:
+                i = next(indices, None)
+                if i is None:
+                    return False
+                if not task.try_key(i, lambda: quick(i)):  # type: ignore[misc]
+                    try:
+                        self._pool.submit(task.run_key, i, lambda: work(task, i))
+                    except RuntimeError:  # the store closed meanwhile
+                        task.set_result(i, KeyResult(Status.ERROR, "the store was closed"))
+                return True
+
+            task.help_with(help_once)
         return task
 
     def _check_open(self) -> None:
@@ -399,24 +428,41 @@ class PosixStore(Room, Store):
         self._check_open()
         views = check_batch(keys, buffers, writable=True)
         return self._run(
-            len(keys), lambda task, i: self._load_one(bytes(keys[i]), views[i], layout)
+            len(keys),
+            lambda task, i: self._load_one(bytes(keys[i]), views[i], layout),
+            (lambda i: self._read_block(bytes(keys[i]), views[i], layout, quick=True))
+            if self._quick_flags is not None
+            else None,
         )
 
     def _load_one(self, key: bytes, out: Payload, layout: bytes) -> KeyResult:
+        result = self._read_block(key, out, layout, quick=False)
+        assert result is not None  # only a quick read leaves a block to another
+        return result
+
+    def _read_block(
+        self, key: bytes, out: Payload, layout: bytes, *, quick: bool
+    ) -> KeyResult | None:
         """Read one block into ``out``.  Nothing read from the file sizes an allocation or a
         read: the header page comes first, the payload is read only if the header names the
         key and the size asked for, and reads go into ``out`` (or a bounce buffer of its
-        size)."""
+        size).
+
+        ``quick``: read only what is in memory, else return None having changed nothing but
+        (part of) ``out``, as on any error: an I/O thread then reads the block and judges
+        it (for the engine's waiting thread: :meth:`_run`)."""
+        flags = (self._quick_flags or 0) if quick else 0
         name = self._file_name(key)
+        wanted = HEADER_BYTES + out.nbytes
+        if self._direct:
+            view = memoryview(self._bounce.get(round_up(wanted)))
+            page = view[:HEADER_BYTES]
+        else:
+            page = memoryview(self._bounce.page())
         try:
-            folder = open_block_folder(self._blocks_fd, name[:2], create=False)
-        except FileNotFoundError:
-            return MISS
-        except OSError as exc:
-            self._count_error()
-            return KeyResult(Status.ERROR, f"cannot open block {name}: {exc.strerror or exc}")
-        try:
-            fd, st = open_block(name, O_DIRECT if self._direct else 0, dir_fd=folder)
+            fd, size, inode, got = open_block_reading(
+                self._blocks_fd, name, page, flags, direct=self._direct
+            )
         except FileNotFoundError:
             return MISS
         except NotABlock as exc:
@@ -424,23 +470,17 @@ class PosixStore(Room, Store):
             self._discard(name, None)
             log.warning("ucm posix store: block %s is %s; removed", name, exc)
             return KeyResult(Status.CORRUPT, str(exc))
-        except OSError as exc:
+        except OSError as exc:  # quick: not in memory (EAGAIN), or for an I/O thread to judge
+            if quick:
+                return None
             self._count_error()
-            return KeyResult(Status.ERROR, f"cannot open block {name}: {exc.strerror}")
-        finally:
-            os.close(folder)
+            return KeyResult(Status.ERROR, f"cannot read block {name}: {exc.strerror or exc}")
         with self._lock:
             self._reading[name] += 1
         try:
-            wanted = HEADER_BYTES + out.nbytes
-            if self._direct:
-                view = memoryview(self._bounce.get(round_up(wanted)))
-                page = view[:HEADER_BYTES]
-                got = pread_into(fd, page, 0)
-            else:
-                page = memoryview(self._bounce.page())
-                got = os.preadv(fd, [page], 0)
             if got < HEADER_BYTES:
+                if quick:  # some of it not in the page cache: an I/O thread judges
+                    return None
                 raise BlockFormatError(f"file truncated: {got} bytes")
             header = decode_header(page, expect_key=key, signer=self._signer)
             if header.payload_len != out.nbytes:  # the caller's mistake: the block is fine
@@ -449,8 +489,10 @@ class PosixStore(Room, Store):
                     Status.ERROR,
                     f"buffer is {out.nbytes} bytes but the stored block holds {header.payload_len}",
                 )
-            if st.st_size < wanted:
+            if size < wanted:
                 raise BlockFormatError(f"file truncated: payload of {out.nbytes} bytes incomplete")
+            # recency for the LRU, visible to every process: set by the read where it can
+            touched = False
             if self._direct:
                 stored = view[HEADER_BYTES:wanted]
                 if pread_into(fd, view[HEADER_BYTES : round_up(wanted)], HEADER_BYTES) < (
@@ -459,31 +501,39 @@ class PosixStore(Room, Store):
                     raise BlockFormatError("file shrank while being read")
                 verify_payload(header, stored, self._signer)  # of one contiguous run
                 fill_parts(out.parts, stored)
-            else:
-                # The payload goes straight into ``out``, hashed piece by piece while each
-                # piece is still in the CPU cache.
+            elif header.mac:
                 hasher = payload_hasher(header, self._signer)
                 read_hashing(fd, out.parts, HEADER_BYTES, hasher)
                 check_payload(header, hasher)
+            else:
+                # The payload goes straight into ``out``, digested piece by piece while each
+                # piece is still in the CPU cache.
+                digest = read_digested(fd, out.parts, HEADER_BYTES, flags, touch=True)
+                if digest != header.payload_checksum:
+                    raise BlockFormatError("payload checksum mismatch")
+                touched = True
             if header.layout != layout:  # the caller's mistake: the block itself is fine
                 self._count_error()
                 return KeyResult(
                     Status.ERROR,
                     f"stored block has layout {header.layout!r}, asked for {layout!r}",
                 )
-            try:
-                os.utime(fd)  # recency for the LRU, visible to every process
-            except OSError:
-                pass  # a shared directory may hold files of other users
+            if not touched:
+                try:
+                    os.utime(fd)
+                except OSError:
+                    pass  # a shared directory may hold files of other users
             return OK
         except OtherVersion as exc:  # another build's block: not ours to judge or delete
             return KeyResult(Status.MISS, str(exc))
         except BlockFormatError as exc:
             self._count_error()
-            self._discard(name, st.st_ino)
+            self._discard(name, inode)
             log.warning("ucm posix store: block %s is corrupt (%s); removed", name, exc)
             return KeyResult(Status.CORRUPT, str(exc))
-        except OSError as exc:
+        except OSError as exc:  # quick: not in memory (EAGAIN), or for an I/O thread to judge
+            if quick:
+                return None
             self._count_error()
             return KeyResult(Status.ERROR, f"cannot read block {name}: {exc.strerror}")
         finally:

@@ -1,0 +1,142 @@
+/* The posix store's payload reads: a block's payload read from its file into the caller's
+ * parts and digested (digest.h) in one call.
+ *
+ * Why compiled: a block of 256 KiB in eight parts of 32 KiB (a layer's K and V a part, in
+ * vLLM) took a read and eight digest calls from Python, each taking the GIL back, about
+ * 50 us a block beside 50-70 us of copying out of the page cache; two I/O threads then
+ * waited on each other's GIL more than they read (64 MiB: 48 ms on two threads, 38 ms on
+ * one, 2 vCPUs).  This call holds no GIL from the first read to the digest (ctypes
+ * releases it), so the threads read side by side.
+ *
+ * A read fills up to ``piece`` bytes (several parts in one preadv2, or a large part cut),
+ * and what it filled is digested next, while the core's cache still holds it.  See
+ * ucm/core/store/posix/fileio.py, its only caller, for the contract. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include "digest.h"
+
+#define MAX_IOV 64
+
+/* Fill the ``n`` parts (``addrs[i]``, ``lens[i]`` bytes) in order from ``fd`` at
+ * ``offset``, in reads of at most ``piece`` bytes with preadv2's ``flags`` (RWF_NOWAIT:
+ * only what the page cache holds), and store the digest of all they hold in ``*digest``;
+ * then, if ``touch``, set the file's times to now (its recency, for the store's LRU: not
+ * an error where it cannot, as for a file of another user in a shared folder).  Returns 0; 1 if the file ends before the parts are full; or -errno of a failed read
+ * (-EAGAIN: with RWF_NOWAIT, a page the cache did not hold). */
+__attribute__((visibility("default"))) int ucm_read_digest(int fd, uint64_t offset,
+                                                           const uint64_t *addrs,
+                                                           const uint64_t *lens, uint64_t n,
+                                                           uint64_t piece, int flags,
+                                                           int touch, uint64_t *digest) {
+    ucm_digest_state st;
+    ucm_digest_reset(&st);
+    uint64_t part = 0, at = 0; /* the next byte to fill: part ``part``, ``at`` bytes in */
+    if (piece == 0)
+        piece = (uint64_t)1 << 20;
+    while (part < n && lens[part] == 0)
+        part++;
+    while (part < n) {
+        struct iovec iov[MAX_IOV];
+        int count = 0;
+        uint64_t asked = 0;
+        for (uint64_t p = part, from = at; p < n && count < MAX_IOV && asked < piece; p++) {
+            uint64_t take = lens[p] - from;
+            if (take > piece - asked)
+                take = piece - asked;
+            if (take) {
+                iov[count].iov_base = (void *)(uintptr_t)(addrs[p] + from);
+                iov[count].iov_len = (size_t)take;
+                count++, asked += take;
+            }
+            from = 0;
+        }
+        ssize_t got = preadv2(fd, iov, count, (off_t)offset, flags);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (got == 0)
+            return 1;
+        offset += (uint64_t)got;
+        for (int i = 0; i < count && got > 0; i++) { /* digest what landed, in order */
+            size_t landed = iov[i].iov_len < (size_t)got ? iov[i].iov_len : (size_t)got;
+            ucm_digest_update(&st, (const uint8_t *)iov[i].iov_base, landed);
+            got -= (ssize_t)landed;
+            at += landed;
+            while (part < n && at == lens[part]) /* filled: on to the next part not empty */
+                part++, at = 0;
+        }
+    }
+    *digest = ucm_digest_final(&st);
+    if (touch)
+        futimens(fd, NULL);
+    return 0;
+}
+
+/* What ucm_open_block found: the file's size, inode and mode, the header bytes read, and
+ * where it failed (OPENING_FOLDER, OPENING_FILE, READING), as a fixed array. */
+enum { SIZE, INODE, MODE, HEADER_READ, STAGE, FOUND_FIELDS };
+enum { OPENING_FOLDER = 0, OPENING_FILE = 1, READING = 2 };
+
+/* Open block file ``name`` in folder ``folder`` of the folder ``blocks_fd`` for reading,
+ * neither through a link (a link at either is ELOOP or ENOTDIR) nor waiting on a FIFO, and,
+ * if it is a regular file, read its first ``header_len`` bytes into ``header`` with
+ * preadv2's ``flags``.  Returns the file's descriptor, ``found`` filled (the caller checks
+ * the mode and closes it); or -errno, ``found[STAGE]`` saying where.  One call for what
+ * took five from Python, each giving up and taking back the GIL. */
+__attribute__((visibility("default"))) int ucm_open_block(int blocks_fd, const char *folder,
+                                                          const char *name, uint8_t *header,
+                                                          uint64_t header_len, int flags,
+                                                          uint64_t *found) {
+    found[STAGE] = OPENING_FOLDER;
+    int dir = openat(blocks_fd, folder, O_RDONLY | O_CLOEXEC | O_DIRECTORY | O_NOFOLLOW);
+    if (dir < 0)
+        return -errno;
+    found[STAGE] = OPENING_FILE;
+    int fd = openat(dir, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    int failed = errno;
+    close(dir);
+    if (fd < 0)
+        return -failed;
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        failed = errno;
+        close(fd);
+        return -failed;
+    }
+    found[SIZE] = (uint64_t)st.st_size, found[INODE] = (uint64_t)st.st_ino;
+    found[MODE] = (uint64_t)st.st_mode, found[HEADER_READ] = 0;
+    if (!S_ISREG(st.st_mode))
+        return fd;
+    found[STAGE] = READING;
+    struct iovec iov = {header, (size_t)header_len};
+    ssize_t got;
+    do
+        got = preadv2(fd, &iov, 1, 0, flags);
+    while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        failed = errno;
+        close(fd);
+        return -failed;
+    }
+    found[HEADER_READ] = (uint64_t)got;
+    return fd;
+}
+
+/* The type of the filesystem ``fd`` is on (fstatfs's f_type, a magic number), or -errno:
+ * the store reads from the engine's waiting thread only on filesystems known local. */
+__attribute__((visibility("default"))) int64_t ucm_fs_type(int fd) {
+    struct statfs st;
+    if (fstatfs(fd, &st) < 0)
+        return -errno;
+    return (int64_t)(uint64_t)st.f_type;
+}
