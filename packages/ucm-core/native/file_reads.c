@@ -84,7 +84,7 @@ __attribute__((visibility("default"))) int ucm_read_digest(int fd, uint64_t offs
 
 /* What ucm_open_block found: the file's size, inode and mode, the header bytes read, and
  * where it failed (OPENING_FOLDER, OPENING_FILE, READING), as a fixed array. */
-enum { SIZE, INODE, MODE, HEADER_READ, STAGE, FOUND_FIELDS };
+enum { SIZE, INODE, MODE, HEADER_READ, STAGE, PAYLOAD_READ, FOUND_FIELDS };
 enum { OPENING_FOLDER = 0, OPENING_FILE = 1, READING = 2 };
 
 /* Open block file ``name`` in folder ``folder`` of the folder ``blocks_fd`` for reading,
@@ -139,4 +139,31 @@ __attribute__((visibility("default"))) int64_t ucm_fs_type(int fd) {
     if (fstatfs(fd, &st) < 0)
         return -errno;
     return (int64_t)(uint64_t)st.f_type;
+}
+
+/* ucm_open_block, then, if the file is a regular one of ``offset`` + the parts' bytes at
+ * least, ucm_read_digest of the payload (``touch``ing the file), then a close: a block in
+ * one call, its header checked by the caller afterwards.  Returns 0 or -errno, ``found``
+ * filled as ucm_open_block's, ``found[PAYLOAD_READ]`` 1 where the payload was read and
+ * digested into ``*digest``, 2 where the file ended before it was whole. */
+__attribute__((visibility("default"))) int ucm_read_block(
+    int blocks_fd, const char *folder, const char *name, uint8_t *header, uint64_t header_len,
+    const uint64_t *addrs, const uint64_t *lens, uint64_t n, uint64_t piece, int flags,
+    uint64_t *found, uint64_t *digest) {
+    found[PAYLOAD_READ] = 0;
+    int fd = ucm_open_block(blocks_fd, folder, name, header, header_len, flags, found);
+    if (fd < 0)
+        return fd;
+    uint64_t payload = 0;
+    for (uint64_t i = 0; i < n; i++)
+        payload += lens[i];
+    int done = 0;
+    if (S_ISREG((mode_t)found[MODE]) && found[HEADER_READ] == header_len &&
+        found[SIZE] >= header_len + payload) {
+        done = ucm_read_digest(fd, header_len, addrs, lens, n, piece, flags, 1, digest);
+        if (done >= 0)
+            found[PAYLOAD_READ] = done == 0 ? 1 : 2;
+    }
+    close(fd);
+    return done < 0 ? done : 0;
 }

@@ -198,7 +198,7 @@ def test_cancel_waits_for_a_load_in_progress(tmp_path, monkeypatch):
     with PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), io_threads=1)) as s:
         data = blob(1, 8192)
         s.wait(s.dump([key(1), key(2)], [data, data]))
-        gate = Gate(monkeypatch, "read_digested", posix_store)
+        gate = Gate(monkeypatch, "read_block", posix_store)
         out = [bytearray(8192), bytearray(8192)]
         task = s.load([key(1), key(2)], out)
         assert gate.entered.wait(10)
@@ -216,7 +216,7 @@ def test_cancelling_a_tiered_load_cancels_the_backing_load(tmp_path, monkeypatch
     with TieredStore(dram, backing) as s:
         data = blob(1, 4096)
         s.wait(backing.dump([key(1), key(2)], [data, data]))
-        gate = Gate(monkeypatch, "read_digested", posix_store)
+        gate = Gate(monkeypatch, "read_block", posix_store)
         task = s.load([key(1), key(2)], [bytearray(4096), bytearray(4096)])
         assert gate.entered.wait(10)
         threading.Timer(0.1, gate.opened.set).start()

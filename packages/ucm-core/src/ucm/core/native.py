@@ -28,6 +28,21 @@ def _load() -> ctypes.CDLL | None:
     library.ucm_read_digest.restype = c_int
     library.ucm_open_block.argtypes = [c_int, ctypes.c_char_p, ctypes.c_char_p, p, u64, c_int, p]
     library.ucm_open_block.restype = c_int
+    library.ucm_read_block.argtypes = [
+        c_int,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        p,
+        u64,
+        p,
+        p,
+        u64,
+        u64,
+        c_int,
+        p,
+        p,
+    ]
+    library.ucm_read_block.restype = c_int
     library.ucm_fs_type.argtypes = [ctypes.c_int]
     library.ucm_fs_type.restype = ctypes.c_int64
     library.ucm_digest_choose.argtypes = [ctypes.c_int]

@@ -142,6 +142,10 @@ def read_result(path: Path) -> dict[str, Any]:
 REUSE_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
 
+#: the connector's seconds of loading (ucm.vllm.counters): a run's time spent in UCM's loads
+LOAD_SECONDS = "vllm:ucm_load_seconds_total"
+
+
 def reused_tokens(before: Mapping[str, float], after: Mapping[str, float]) -> int:
     """Prompt tokens reused between two reads of a server's counters."""
     return int(sum(after.get(k, 0.0) - before.get(k, 0.0) for k in REUSE_COUNTERS))
@@ -383,7 +387,8 @@ def run_system(system: System, bench: Bench, floor: ServeProcess | None = None) 
                     runs.append(_timed(bench, server, system.name, length, concurrency))
                 print(
                     f"  {system.name}: {length}-token prefixes, {concurrency} in flight: "
-                    f"TTFT p50 {runs[-1]['ttft_p50_s']:.3f} s (last round)",
+                    f"TTFT p50 {runs[-1]['ttft_p50_s']:.3f} s (last round; UCM's loads "
+                    f"{1000 * runs[-1]['ucm_load_s'] / bench.args.prefixes:.1f} ms a request)",
                     file=sys.stderr,
                 )
     except RuntimeError as exc:
@@ -429,8 +434,10 @@ def _timed(
     before = server.metrics()
     result = Path(bench.work, f"{name}-{length}-{concurrency}.json")
     figures = bench.client(server, length, concurrency, result)
+    after = server.metrics()
     run = {"system": name, "length": length, "concurrency": concurrency, **figures,
-           "reused_tokens": reused_tokens(before, server.metrics())}  # fmt: skip
+           "reused_tokens": reused_tokens(before, after),
+           "ucm_load_s": after.get(LOAD_SECONDS, 0.0) - before.get(LOAD_SECONDS, 0.0)}  # fmt: skip
     if beside is not None:
         run["beside"] = beside
     return run

@@ -227,7 +227,7 @@ RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 # what ucm_open_block reports (native/file_reads.c)
-_SIZE, _INODE, _MODE, _HEADER_READ, _STAGE = range(5)
+_SIZE, _INODE, _MODE, _HEADER_READ, _STAGE, _PAYLOAD_READ = range(6)
 _OPENING_FOLDER, _OPENING_FILE = 0, 1
 
 
@@ -252,25 +252,71 @@ def open_block_reading(
             os.close(fd)
             raise
         return fd, st.st_size, st.st_ino, got
-    found = (ctypes.c_uint64 * 5)()
+    found = (ctypes.c_uint64 * 6)()
     fd = library.ucm_open_block(
         blocks_fd, name[:2].encode(), name.encode(), address_of(header), header.nbytes, flags, found
     )
     if fd < 0:
-        failed = -fd
-        if failed == errno.ENOENT:
-            raise FileNotFoundError(failed, os.strerror(failed))
-        if found[_STAGE] == _OPENING_FOLDER and failed in (errno.ELOOP, errno.ENOTDIR):
-            raise NotAFolder(
-                failed, f"blocks/{name[:2]} is not a folder of the store (a link or a file)"
-            )
-        if found[_STAGE] == _OPENING_FILE and failed == errno.ELOOP:
-            raise NotABlock("a symbolic link, not a block file")
-        raise OSError(failed, os.strerror(failed))
+        _raise_open_failure(-fd, found[_STAGE], name)
     if not stat.S_ISREG(found[_MODE]):
         os.close(fd)
         raise NotABlock(f"not a regular file (mode {found[_MODE]:#o})")
     return fd, found[_SIZE], found[_INODE], found[_HEADER_READ]
+
+
+def read_block(
+    blocks_fd: int, name: str, header: memoryview, parts: Sequence[memoryview], flags: int = 0
+) -> tuple[int, int, int, int | None]:
+    """Block file ``name`` read whole: its first bytes into ``header`` and, where it is long
+    enough, the rest into ``parts``, digested (:func:`read_digested`), the file's times set
+    to now.  Returns the file's size and inode, the header bytes read, and the payload's
+    digest (None where the file was too short to read it whole).  The caller checks the header
+    after the payload landed in ``parts``: nothing read sizes anything (the parts are the
+    caller's), and a block whose header does not match is a miss whatever the parts hold.
+    Raises as :func:`open_block_reading` and :func:`read_digested` do.  One compiled call
+    where the library is built."""
+    library = _LIBRARY
+    if library is None:
+        fd, size, inode, got = open_block_reading(blocks_fd, name, header, flags)
+        try:
+            payload = sum([p.nbytes for p in parts])
+            if got < header.nbytes or size < header.nbytes + payload:
+                return size, inode, got, None
+            try:
+                return size, inode, got, read_digested(fd, parts, header.nbytes, flags, touch=True)
+            except BlockFormatError:  # it shrank
+                return size, inode, got, None
+        finally:
+            os.close(fd)
+    n = len(parts)
+    addrs = (ctypes.c_uint64 * n)(*[address_of(p) for p in parts])
+    lens = (ctypes.c_uint64 * n)(*[p.nbytes for p in parts])
+    found = (ctypes.c_uint64 * 6)()
+    digest = ctypes.c_uint64()
+    failed = -library.ucm_read_block(
+        blocks_fd, name[:2].encode(), name.encode(), address_of(header), header.nbytes,
+        addrs, lens, n, READ_PIECE, flags, found, ctypes.byref(digest),
+    )  # fmt: skip
+    if failed:
+        _raise_open_failure(failed, found[_STAGE], name)
+    if not stat.S_ISREG(found[_MODE]):
+        raise NotABlock(f"not a regular file (mode {found[_MODE]:#o})")
+    read = found[_PAYLOAD_READ] == 1  # 2: the file shrank while it was read
+    return found[_SIZE], found[_INODE], found[_HEADER_READ], digest.value if read else None
+
+
+def _raise_open_failure(failed: int, stage: int, name: str) -> None:
+    """The error of a compiled open or read that failed with ``errno`` ``failed`` at
+    ``stage``, as the Python calls raise it."""
+    if failed == errno.ENOENT:
+        raise FileNotFoundError(failed, os.strerror(failed))
+    if stage == _OPENING_FOLDER and failed in (errno.ELOOP, errno.ENOTDIR):
+        raise NotAFolder(
+            failed, f"blocks/{name[:2]} is not a folder of the store (a link or a file)"
+        )
+    if stage == _OPENING_FILE and failed == errno.ELOOP:
+        raise NotABlock("a symbolic link, not a block file")
+    raise OSError(failed, os.strerror(failed))
 
 
 def read_digested(

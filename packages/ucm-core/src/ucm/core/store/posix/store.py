@@ -57,7 +57,7 @@ from ucm.core.store.posix.fileio import (
     pread_into,
     pwrite_all,
     quick_read_flags,
-    read_digested,
+    read_block,
     read_hashing,
     round_up,
     unlink_in,
@@ -444,9 +444,11 @@ class PosixStore(Room, Store):
         self, key: bytes, out: Payload, layout: bytes, *, quick: bool
     ) -> KeyResult | None:
         """Read one block into ``out``.  Nothing read from the file sizes an allocation or a
-        read: the header page comes first, the payload is read only if the header names the
-        key and the size asked for, and reads go into ``out`` (or a bounce buffer of its
-        size).
+        read: reads go into ``out`` (or a bounce buffer of its size), and the block counts
+        only once its header names the key and the size asked for and its payload checks.
+        A signed store reads the header first and the payload only if it matches (its MAC
+        is computed in Python, the block's file open in between); every other block is
+        read in one compiled call and its header checked after (:func:`read_block`).
 
         ``quick``: read only what is in memory, else return None having changed nothing but
         (part of) ``out``, as on any error: an I/O thread then reads the block and judges
@@ -454,29 +456,37 @@ class PosixStore(Room, Store):
         flags = (self._quick_flags or 0) if quick else 0
         name = self._file_name(key)
         wanted = HEADER_BYTES + out.nbytes
+        whole = not self._direct and self._signer is None
         if self._direct:
             view = memoryview(self._bounce.get(round_up(wanted)))
             page = view[:HEADER_BYTES]
         else:
             page = memoryview(self._bounce.page())
+        with self._lock:
+            self._reading[name] += 1
+        fd = -1
         try:
-            fd, size, inode, got = open_block_reading(
-                self._blocks_fd, name, page, flags, direct=self._direct
-            )
+            if whole:
+                size, inode, got, digest = read_block(self._blocks_fd, name, page, out.parts, flags)
+            else:
+                fd, size, inode, got = open_block_reading(
+                    self._blocks_fd, name, page, flags, direct=self._direct
+                )
         except FileNotFoundError:
+            self._read_done(name, fd)
             return MISS
         except NotABlock as exc:
+            self._read_done(name, fd)
             self._count_error()
             self._discard(name, None)
             log.warning("ucm posix store: block %s is %s; removed", name, exc)
             return KeyResult(Status.CORRUPT, str(exc))
         except OSError as exc:  # quick: not in memory (EAGAIN), or for an I/O thread to judge
+            self._read_done(name, fd)
             if quick:
                 return None
             self._count_error()
             return KeyResult(Status.ERROR, f"cannot read block {name}: {exc.strerror or exc}")
-        with self._lock:
-            self._reading[name] += 1
         try:
             if got < HEADER_BYTES:
                 if quick:  # some of it not in the page cache: an I/O thread judges
@@ -491,9 +501,12 @@ class PosixStore(Room, Store):
                 )
             if size < wanted:
                 raise BlockFormatError(f"file truncated: payload of {out.nbytes} bytes incomplete")
-            # recency for the LRU, visible to every process: set by the read where it can
-            touched = False
-            if self._direct:
+            if whole:  # read, digested and its times set by the one call
+                if digest is None:
+                    raise BlockFormatError("file shrank while being read")
+                if digest != header.payload_checksum:
+                    raise BlockFormatError("payload checksum mismatch")
+            elif self._direct:
                 stored = view[HEADER_BYTES:wanted]
                 if pread_into(fd, view[HEADER_BYTES : round_up(wanted)], HEADER_BYTES) < (
                     out.nbytes
@@ -501,26 +514,19 @@ class PosixStore(Room, Store):
                     raise BlockFormatError("file shrank while being read")
                 verify_payload(header, stored, self._signer)  # of one contiguous run
                 fill_parts(out.parts, stored)
-            elif header.mac:
+            else:
                 hasher = payload_hasher(header, self._signer)
                 read_hashing(fd, out.parts, HEADER_BYTES, hasher)
                 check_payload(header, hasher)
-            else:
-                # The payload goes straight into ``out``, digested piece by piece while each
-                # piece is still in the CPU cache.
-                digest = read_digested(fd, out.parts, HEADER_BYTES, flags, touch=True)
-                if digest != header.payload_checksum:
-                    raise BlockFormatError("payload checksum mismatch")
-                touched = True
             if header.layout != layout:  # the caller's mistake: the block itself is fine
                 self._count_error()
                 return KeyResult(
                     Status.ERROR,
                     f"stored block has layout {header.layout!r}, asked for {layout!r}",
                 )
-            if not touched:
+            if not whole:
                 try:
-                    os.utime(fd)
+                    os.utime(fd)  # recency for the LRU, visible to every process
                 except OSError:
                     pass  # a shared directory may hold files of other users
             return OK
@@ -537,11 +543,17 @@ class PosixStore(Room, Store):
             self._count_error()
             return KeyResult(Status.ERROR, f"cannot read block {name}: {exc.strerror}")
         finally:
+            self._read_done(name, fd)
+
+    def _read_done(self, name: str, fd: int) -> None:
+        """The end of a read of block ``name``: its file closed (``fd`` >= 0), and no
+        longer counted as being read."""
+        if fd >= 0:
             os.close(fd)
-            with self._lock:
-                self._reading[name] -= 1
-                if not self._reading[name]:
-                    del self._reading[name]
+        with self._lock:
+            self._reading[name] -= 1
+            if not self._reading[name]:
+                del self._reading[name]
 
     def _discard(self, name: str, inode: int | None) -> None:
         """Remove a bad file at a block's name, unless a writer has replaced it with a new
