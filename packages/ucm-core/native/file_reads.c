@@ -1,16 +1,18 @@
-/* The posix store's payload reads: a block's payload read from its file into the caller's
- * parts and digested (digest.h) in one call.
+/* The posix store's reads of blocks: a chunk of a batch's blocks opened, read into the
+ * caller's parts and digested (digest.h) in one call, their headers checked by the caller
+ * afterwards.
  *
  * Why compiled: a block of 256 KiB in eight parts of 32 KiB (a layer's K and V a part, in
- * vLLM) took a read and eight digest calls from Python, each taking the GIL back, about
- * 50 us a block beside 50-70 us of copying out of the page cache; two I/O threads then
- * waited on each other's GIL more than they read (64 MiB: 48 ms on two threads, 38 ms on
- * one, 2 vCPUs).  This call holds no GIL from the first read to the digest (ctypes
- * releases it), so the threads read side by side.
+ * vLLM) took two opens, a stat, two reads, eight digest calls, a utime and two closes from
+ * Python, each giving up the GIL and taking it back; two I/O threads then waited on each
+ * other's GIL more than they read (64 MiB from the page cache, 2 vCPUs: 48 ms on two
+ * threads, 38 ms on one).  This file's calls hold no GIL (ctypes releases it), so the
+ * threads, and the engine's thread that waits, read side by side.
  *
  * A read fills up to ``piece`` bytes (several parts in one preadv2, or a large part cut),
- * and what it filled is digested next, while the core's cache still holds it.  See
- * ucm/core/store/posix/fileio.py, its only caller, for the contract. */
+ * and what it filled is digested next, while the core's cache still holds it.  Nothing
+ * read from a file sizes anything: reads go into the caller's parts, at most their bytes.
+ * See ucm/core/store/posix/fileio.py, the only caller, for the contract. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -28,14 +30,12 @@
 /* Fill the ``n`` parts (``addrs[i]``, ``lens[i]`` bytes) in order from ``fd`` at
  * ``offset``, in reads of at most ``piece`` bytes with preadv2's ``flags`` (RWF_NOWAIT:
  * only what the page cache holds), and store the digest of all they hold in ``*digest``;
- * then, if ``touch``, set the file's times to now (its recency, for the store's LRU: not
- * an error where it cannot, as for a file of another user in a shared folder).  Returns 0; 1 if the file ends before the parts are full; or -errno of a failed read
- * (-EAGAIN: with RWF_NOWAIT, a page the cache did not hold). */
-__attribute__((visibility("default"))) int ucm_read_digest(int fd, uint64_t offset,
-                                                           const uint64_t *addrs,
-                                                           const uint64_t *lens, uint64_t n,
-                                                           uint64_t piece, int flags,
-                                                           int touch, uint64_t *digest) {
+ * then set the file's times to now (its recency, for the store's LRU: not an error where
+ * it cannot, as for a file of another user in a shared folder).  Returns 0; 1 if the file
+ * ends before the parts are full; or -errno of a failed read (-EAGAIN: with RWF_NOWAIT, a
+ * page the cache did not hold). */
+static int read_digest(int fd, uint64_t offset, const uint64_t *addrs, const uint64_t *lens,
+                       uint64_t n, uint64_t piece, int flags, uint64_t *digest) {
     ucm_digest_state st;
     ucm_digest_reset(&st);
     uint64_t part = 0, at = 0; /* the next byte to fill: part ``part``, ``at`` bytes in */
@@ -77,8 +77,7 @@ __attribute__((visibility("default"))) int ucm_read_digest(int fd, uint64_t offs
         }
     }
     *digest = ucm_digest_final(&st);
-    if (touch)
-        futimens(fd, NULL);
+    futimens(fd, NULL);
     return 0;
 }
 
@@ -141,15 +140,14 @@ __attribute__((visibility("default"))) int64_t ucm_fs_type(int fd) {
     return (int64_t)(uint64_t)st.f_type;
 }
 
-/* ucm_open_block, then, if the file is a regular one of ``offset`` + the parts' bytes at
- * least, ucm_read_digest of the payload (``touch``ing the file), then a close: a block in
- * one call, its header checked by the caller afterwards.  Returns 0 or -errno, ``found``
+/* ucm_open_block, then, if the file is a regular one of ``header_len`` + the parts' bytes
+ * at least, read_digest of the payload, then a close.  Returns 0 or -errno, ``found``
  * filled as ucm_open_block's, ``found[PAYLOAD_READ]`` 1 where the payload was read and
  * digested into ``*digest``, 2 where the file ended before it was whole. */
-__attribute__((visibility("default"))) int ucm_read_block(
-    int blocks_fd, const char *folder, const char *name, uint8_t *header, uint64_t header_len,
-    const uint64_t *addrs, const uint64_t *lens, uint64_t n, uint64_t piece, int flags,
-    uint64_t *found, uint64_t *digest) {
+static int read_block(int blocks_fd, const char *folder, const char *name, uint8_t *header,
+                      uint64_t header_len, const uint64_t *addrs, const uint64_t *lens,
+                      uint64_t n, uint64_t piece, int flags, uint64_t *found,
+                      uint64_t *digest) {
     found[PAYLOAD_READ] = 0;
     int fd = ucm_open_block(blocks_fd, folder, name, header, header_len, flags, found);
     if (fd < 0)
@@ -160,10 +158,31 @@ __attribute__((visibility("default"))) int ucm_read_block(
     int done = 0;
     if (S_ISREG((mode_t)found[MODE]) && found[HEADER_READ] == header_len &&
         found[SIZE] >= header_len + payload) {
-        done = ucm_read_digest(fd, header_len, addrs, lens, n, piece, flags, 1, digest);
+        done = read_digest(fd, header_len, addrs, lens, n, piece, flags, digest);
         if (done >= 0)
             found[PAYLOAD_READ] = done == 0 ? 1 : 2;
     }
     close(fd);
     return done < 0 ? done : 0;
+}
+
+/* read_block for each of ``count`` blocks: block i named by the NUL-terminated string at
+ * ``names + i * stride`` (its folder: the name's first two characters), its header read
+ * into ``headers + i * header_len`` and its payload into its parts, ``starts[i]`` to
+ * ``starts[i + 1]`` of ``addrs`` and ``lens``; its ``found`` at ``found + i *
+ * FOUND_FIELDS``, its digest in ``digests[i]``, what read_block returned in
+ * ``results[i]``.  A chunk of a batch in one call: the GIL given up once for all of it. */
+__attribute__((visibility("default"))) void ucm_read_blocks(
+    int blocks_fd, uint64_t count, const char *names, uint64_t stride, uint8_t *headers,
+    uint64_t header_len, const uint64_t *addrs, const uint64_t *lens, const uint64_t *starts,
+    uint64_t piece, int flags, uint64_t *found, uint64_t *digests, int64_t *results) {
+    for (uint64_t i = 0; i < count; i++) {
+        const char *name = names + i * stride;
+        char folder[3] = {name[0], name[0] ? name[1] : 0, 0};
+        uint64_t first = starts[i];
+        results[i] = read_block(blocks_fd, folder, name, headers + i * header_len,
+                                    header_len, addrs + first, lens + first,
+                                    starts[i + 1] - first, piece, flags,
+                                    found + i * FOUND_FIELDS, digests + i);
+    }
 }

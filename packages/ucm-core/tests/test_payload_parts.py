@@ -195,19 +195,23 @@ def test_a_dump_cancelled_in_progress_is_not_published(tmp_path, monkeypatch):
 
 
 def test_cancel_waits_for_a_load_in_progress(tmp_path, monkeypatch):
+    """A load reads a chunk of blocks at a time (here 32 and then 8): a cancel waits for the
+    chunk in progress, and the next one is never read."""
     with PosixStore(PosixStoreConfig(path=str(tmp_path / "p"), io_threads=1)) as s:
         data = blob(1, 8192)
-        s.wait(s.dump([key(1), key(2)], [data, data]))
-        gate = Gate(monkeypatch, "read_block", posix_store)
-        out = [bytearray(8192), bytearray(8192)]
-        task = s.load([key(1), key(2)], out)
+        keys = [key(i) for i in range(40)]
+        s.wait(s.dump(keys, [data] * 40))
+        gate = Gate(monkeypatch, "read_blocks", posix_store)
+        out = [bytearray(8192) for _ in keys]
+        task = s.load(keys, out)
         assert gate.entered.wait(10)
         threading.Timer(0.2, gate.opened.set).start()
         assert task.cancel(wait=10) is True
         # once cancel returned, nothing writes the buffers any more
         assert task.done()
-        assert [r.status for r in task.wait(0)] == [Status.OK, Status.CANCELLED]
-        assert bytes(out[0]) == data and out[1] == bytearray(8192)
+        assert [r.status for r in task.wait(0)] == [Status.OK] * 32 + [Status.CANCELLED] * 8
+        assert all(bytes(o) == data for o in out[:32])
+        assert all(o == bytearray(8192) for o in out[32:])
 
 
 def test_cancelling_a_tiered_load_cancels_the_backing_load(tmp_path, monkeypatch):
@@ -216,7 +220,7 @@ def test_cancelling_a_tiered_load_cancels_the_backing_load(tmp_path, monkeypatch
     with TieredStore(dram, backing) as s:
         data = blob(1, 4096)
         s.wait(backing.dump([key(1), key(2)], [data, data]))
-        gate = Gate(monkeypatch, "read_block", posix_store)
+        gate = Gate(monkeypatch, "read_blocks", posix_store)
         task = s.load([key(1), key(2)], [bytearray(4096), bytearray(4096)])
         assert gate.entered.wait(10)
         threading.Timer(0.1, gate.opened.set).start()

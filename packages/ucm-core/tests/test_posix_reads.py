@@ -1,21 +1,27 @@
-"""The posix store's payload reads (``read_digested``, compiled and in Python) and the reads a
-thread that waits for a load does itself: from memory only, on local filesystems only."""
+"""The posix store's reads of blocks (``read_blocks``, compiled and in Python) and the reads
+a thread that waits for a load does itself: from memory only, on local filesystems only."""
 
 import os
 import threading
 
 import numpy as np
 import pytest
-from ucm.core.block_format import BlockFormatError
+from ucm.core.block_format import HEADER_BYTES
 from ucm.core.config import PosixStoreConfig
 from ucm.core.digest import block_digest
 from ucm.core.native import NATIVE
-from ucm.core.store import PosixStore
+from ucm.core.store import PosixStore, Status
 from ucm.core.store.posix import fileio
-from ucm.core.store.posix.fileio import RWF_NOWAIT, quick_read_flags, read_digested
+from ucm.core.store.posix import store as posix_store
+from ucm.core.store.posix.fileio import (
+    RWF_NOWAIT,
+    NotABlock,
+    NotAFolder,
+    quick_read_flags,
+    read_blocks,
+)
 
 needs_library = pytest.mark.skipif(NATIVE is None, reason="ucm-core built without its library")
-OFFSET = 4096  # where a block's payload starts in its file
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -28,63 +34,118 @@ def library(request, monkeypatch):
     return request.param
 
 
-def written(path, payload: bytes) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.pwrite(fd, b"h" * OFFSET + payload, 0)
-    return fd
+def blocks_folder(tmp_path) -> int:
+    (tmp_path / "blocks").mkdir()
+    return os.open(tmp_path / "blocks", os.O_RDONLY | os.O_DIRECTORY)
+
+
+def written(tmp_path, name: str, payload: bytes) -> str:
+    folder = tmp_path / "blocks" / name[:2]
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_bytes(b"h" * HEADER_BYTES + payload)
+    return str(folder / name)
 
 
 def parts_of(sizes):
     return [memoryview(bytearray(n)) for n in sizes]
 
 
+def headers_for(n: int) -> memoryview:
+    return memoryview(bytearray(n * HEADER_BYTES))
+
+
 @pytest.mark.parametrize("piece", [64, 1000, 2 << 20])
-def test_a_read_fills_parts_of_any_size_and_digests_what_it_read(
+def test_a_chunk_of_blocks_is_read_into_parts_of_any_size_and_digested(
     tmp_path, library, monkeypatch, piece
 ):
     """Parts empty, shorter than a word, not a whole number of words, more than one read's
-    vector, and larger than a read: the bytes land in order and the digest is the one of
-    their concatenation."""
+    vector, and larger than a read: each block's bytes land in order, its digest is the one
+    of their concatenation, and its header and size come back beside it."""
     monkeypatch.setattr(fileio, "READ_PIECE", piece)
-    sizes = [0, 3, 8, 4096, 0, 13, 5000, 7, *[24] * 150, 0]
-    payload = np.random.default_rng(piece).bytes(sum(sizes))
-    fd = written(tmp_path / "block", payload)
+    blocks_fd = blocks_folder(tmp_path)
     try:
-        parts = parts_of(sizes)
-        assert read_digested(fd, parts, OFFSET) == block_digest(payload)
-        assert b"".join(bytes(p) for p in parts) == payload
+        sizes = [[0, 3, 8, 4096, 0, 13, 5000, 7, *[24] * 150, 0], [1 << 20], [8, 8]]
+        rng = np.random.default_rng(piece)
+        payloads = [rng.bytes(sum(s)) for s in sizes]
+        names = [f"{i:02x}{'ab' * 15}" for i in range(len(sizes))]
+        for name, payload in zip(names, payloads):
+            written(tmp_path, name, payload)
+        parts = [parts_of(s) for s in sizes]
+        headers = headers_for(3)
+        reads = read_blocks(blocks_fd, names, headers, parts)
+        for i, (read, payload) in enumerate(zip(reads, payloads)):
+            size, inode, got, digest = read
+            assert (size, got, digest) == (
+                HEADER_BYTES + len(payload),
+                HEADER_BYTES,
+                block_digest(payload),
+            )
+            assert b"".join(bytes(p) for p in parts[i]) == payload
+            assert bytes(headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]) == b"h" * HEADER_BYTES
+    finally:
+        os.close(blocks_fd)
+
+
+def test_what_is_not_a_whole_block_file_is_told_apart(tmp_path, library):
+    """Absent, a link (never followed), a FIFO (not waited on), a folder that is a link, a
+    file too short for the parts asked: each block's own answer, the others read."""
+    blocks_fd = blocks_folder(tmp_path)
+    try:
+        names = [
+            "00" + "a" * 30,
+            "01" + "b" * 30,
+            "02" + "c" * 30,
+            "03" + "d" * 30,
+            "04" + "e" * 30,
+            "05" + "f" * 30,
+        ]
+        written(tmp_path, names[0], b"x" * 1000)  # too short for 1200 bytes
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"s" * (HEADER_BYTES + 1200))
+        (tmp_path / "blocks" / "01").mkdir()
+        os.symlink(secret, tmp_path / "blocks" / "01" / names[1])
+        (tmp_path / "blocks" / "02").mkdir()
+        os.mkfifo(tmp_path / "blocks" / "02" / names[2])
+        os.symlink(tmp_path / "elsewhere", tmp_path / "blocks" / "03")
+        written(tmp_path, names[5], b"y" * 1200)
+        reads = read_blocks(blocks_fd, names, headers_for(6), [parts_of([600, 600]) for _ in names])
+        assert reads[0][3] is None and reads[0][2] == HEADER_BYTES
+        assert isinstance(reads[1], NotABlock) and "link" in str(reads[1])
+        assert isinstance(reads[2], NotABlock) and "regular" in str(reads[2])
+        assert isinstance(reads[3], NotAFolder)
+        assert isinstance(reads[4], FileNotFoundError)
+        assert reads[5][3] == block_digest(b"y" * 1200)
+    finally:
+        os.close(blocks_fd)
+
+
+def page_cache_dropped(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def test_a_file_that_ends_before_the_parts_are_full_is_a_format_error(tmp_path, library):
-    fd = written(tmp_path / "block", b"x" * 1000)
-    try:
-        with pytest.raises(BlockFormatError, match="shrank"):
-            read_digested(fd, parts_of([600, 600]), OFFSET)
-    finally:
-        os.close(fd)
-
-
-def page_cache_dropped(fd: int) -> None:
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 @needs_library
 def test_a_read_from_memory_only_stops_at_a_page_the_cache_does_not_hold(tmp_path):
-    fd = written(tmp_path / "block", b"y" * (1 << 20))
+    blocks_fd = blocks_folder(tmp_path)
     try:
-        if quick_read_flags(fd) != RWF_NOWAIT:
+        if quick_read_flags(blocks_fd) != RWF_NOWAIT:
             pytest.skip("the test folder is not on a local disk's filesystem")
-        parts = parts_of([1 << 20])
-        assert read_digested(fd, parts, OFFSET, RWF_NOWAIT) == block_digest(b"y" * (1 << 20))
-        page_cache_dropped(fd)
-        with pytest.raises(BlockingIOError):
-            read_digested(fd, parts_of([1 << 20]), OFFSET, RWF_NOWAIT)
-        assert read_digested(fd, parts, OFFSET) == block_digest(b"y" * (1 << 20))
+        name = "7f" + "0" * 30
+        path = written(tmp_path, name, b"y" * (1 << 20))
+        want = block_digest(b"y" * (1 << 20))
+        [read] = read_blocks(blocks_fd, [name], headers_for(1), [parts_of([1 << 20])], RWF_NOWAIT)
+        assert read[3] == want
+        page_cache_dropped(path)
+        [read] = read_blocks(blocks_fd, [name], headers_for(1), [parts_of([1 << 20])], RWF_NOWAIT)
+        assert isinstance(read, BlockingIOError)
+        [read] = read_blocks(blocks_fd, [name], headers_for(1), [parts_of([1 << 20])])
+        assert read[3] == want
     finally:
-        os.close(fd)
+        os.close(blocks_fd)
 
 
 @needs_library
@@ -151,7 +212,7 @@ def test_a_thread_that_waits_for_a_load_reads_it_when_the_io_threads_are_busy(fo
 def test_a_block_not_in_memory_is_left_to_an_io_thread(tmp_path):
     """The waiting thread reads nothing from the disk itself: a block the page cache does
     not hold goes back to an I/O thread (held here until the waiting thread has tried every
-    block), which reads it."""
+    block), which reads it into a buffer of its own and copies it."""
     store = PosixStore(PosixStoreConfig(path=str(tmp_path / "s"), io_threads=1, capacity_gb=None))
     try:
         if store._quick_flags != RWF_NOWAIT:
@@ -159,28 +220,23 @@ def test_a_block_not_in_memory_is_left_to_an_io_thread(tmp_path):
         keys, data = blocks(6, 100_000)
         assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
         for name in store._eviction_names(keys):  # every block's pages out of the cache
-            fd = os.open(os.path.join(store.root, "blocks", store._relative(name)), os.O_RDONLY)
-            try:
-                page_cache_dropped(fd)
-            finally:
-                os.close(fd)
-        tried: list[tuple[bool, object]] = []
-        read_block = store._read_block
+            page_cache_dropped(os.path.join(store.root, "blocks", store._relative(name)))
+        tried: list[tuple[bool, list]] = []
+        read_chunk = store._read_chunk
 
-        def spied(*args, quick):
-            result = read_block(*args, quick=quick)
-            tried.append((quick, result))
-            return result
+        def spied(keys, outs, layout, quick):
+            results = read_chunk(keys, outs, layout, quick)
+            tried.append((quick, results))
+            return results
 
-        store._read_block = spied
+        store._read_chunk = spied
         held = threading.Event()
         store._pool.submit(held.wait, 30)
         threading.Timer(0.5, held.set).start()  # the I/O thread comes back after the tries
         out = [bytearray(len(d)) for d in data]
         assert all(r.ok for r in store.wait(store.load(keys, out), 10))
         assert [bytes(o) for o in out] == data
-        assert [r for quick, r in tried if quick] == [None] * 6  # each left to the I/O thread
-        assert sum(not quick for quick, _ in tried) == 6
+        assert [r for quick, rs in tried if quick for r in rs] == [None] * 6  # all left over
     finally:
         store.close()
 
@@ -211,5 +267,54 @@ def test_blocks_read_alike_with_or_without_the_library(tmp_path, library):
         assert "link" in results[0].detail and "checksum" in results[1].detail
         assert not os.path.lexists(path[0]) and not os.path.exists(path[1])
         assert secret.exists()
+    finally:
+        store.close()
+
+
+def test_a_batch_that_names_a_block_twice_fills_both_buffers(tmp_path, library):
+    store = PosixStore(PosixStoreConfig(path=str(tmp_path / "s"), capacity_gb=None))
+    try:
+        keys, data = blocks(2, 10_000)
+        assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+        out = [bytearray(10_000) for _ in range(3)]
+        assert all(r.ok for r in store.wait(store.load([keys[0], keys[1], keys[0]], out), 10))
+        assert [bytes(o) for o in out] == [data[0], data[1], data[0]]
+        assert not store._reading
+    finally:
+        store.close()
+
+
+@needs_library
+def test_a_cancel_never_waits_for_a_disk_and_nothing_lands_after_it(tmp_path, monkeypatch):
+    """On a local filesystem a load writes the caller's buffers only from memory
+    (``reads_from_memory``): a block not in the page cache is read into the I/O thread's
+    own buffer first, a read a cancel does not wait for (held here, as a slow or failing
+    disk would), and once cancelled, the block is not copied."""
+    store = PosixStore(PosixStoreConfig(path=str(tmp_path / "s"), io_threads=1, capacity_gb=None))
+    try:
+        if store._quick_flags != RWF_NOWAIT:
+            pytest.skip("the test folder is not on a local disk's filesystem")
+        assert store.reads_from_memory
+        keys, data = blocks(1, 100_000)
+        assert all(r.ok for r in store.wait(store.dump(keys, data), 10))
+        page_cache_dropped(
+            os.path.join(store.root, "blocks", store._relative(store._file_name(keys[0])))
+        )
+        entered, opened = threading.Event(), threading.Event()
+        real = posix_store.open_block_reading
+
+        def held(*args, **kwargs):
+            entered.set()
+            assert opened.wait(10)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(posix_store, "open_block_reading", held)
+        out = [bytearray(100_000)]
+        task = store.load(keys, out)
+        assert entered.wait(10)
+        assert task.cancel(wait=1) is True  # the disk read holds nothing of the caller's
+        opened.set()
+        assert [r.status for r in store.wait(task, 10)] == [Status.CANCELLED]
+        assert out[0] == bytearray(100_000)
     finally:
         store.close()

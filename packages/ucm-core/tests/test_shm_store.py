@@ -16,7 +16,8 @@ import pytest
 from ucm.core.config import DramStoreConfig, parse_store_config
 from ucm.core.settings import ConfigError
 from ucm.core.store import SharedMemoryStore, Status, create_store
-from ucm.core.store.dram.shared import chunk_size, mount_of
+from ucm.core.store.chunks import chunk_size
+from ucm.core.store.dram.shared import mount_of
 from ucm.lab.testing.core import blob, flip_shared_block_byte, key
 
 WRITER = """

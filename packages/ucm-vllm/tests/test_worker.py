@@ -111,6 +111,13 @@ def test_loaded_blocks_count_as_a_prefix_over_groups_and_tails_only_when_all_loa
     assert blocks_used([True, True, False], [0, 1, 1], [ok, None, ok]) == [True, False, False]
 
 
+class RemotePosixStore(PosixStore):
+    """A posix store as on a network filesystem: its loads may wait on a server, so they
+    are read into rows in pieces, never into the cache in place."""
+
+    reads_from_memory = False
+
+
 def test_a_sync_load_keeps_pipeline_depth_pieces_in_flight(tmp_path):
     config = PosixStoreConfig(path=str(tmp_path / "store"))
     items = chain_items(4)
@@ -119,7 +126,7 @@ def test_a_sync_load_keeps_pipeline_depth_pieces_in_flight(tmp_path):
     finish_dumps(writer, "cold")
     block = writer.blocks.item_bytes(items[0])
     for depth in (1, 3):
-        reader, into = worker_on(PosixStore(config), seed=1, sync_loads=True,
+        reader, into = worker_on(RemotePosixStore(config), seed=1, sync_loads=True,
                                  piece_bytes=block, pipeline_depth=depth)  # fmt: skip
         in_flight, most = [0], [0]
         start, finish = reader.loads._submit, reader.loads._finish
@@ -402,9 +409,16 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         assert reader.mover.pool.free_bytes == free
         reader.shutdown()
 
-        on_disk, _ = worker_of(PosixStore(PosixStoreConfig(path=str(tmp_path / "s"))), 2)
-        assert not on_disk.loads.in_place  # a disk or a mount may hang: reads go through rows
+        # a posix store on a local filesystem writes the cache only from memory (the page
+        # cache, or its own buffer once the disk read ended): in place; on a network
+        # filesystem (a mount may hang) reads go through rows
+        local = PosixStoreConfig(path=str(tmp_path / "s"))
+        on_disk, _ = worker_of(PosixStore(local), 2)
+        assert on_disk.loads.in_place == on_disk.stores.full.reads_from_memory
         on_disk.shutdown()
+        remote, _ = worker_of(RemotePosixStore(local), 3)
+        assert not remote.loads.in_place
+        remote.shutdown()
     finally:
         shutil.rmtree(path, ignore_errors=True)
 

@@ -24,26 +24,11 @@ def _load() -> ctypes.CDLL | None:
     library.ucm_digest.argtypes = [p, ctypes.c_size_t]
     library.ucm_digest.restype = u64
     c_int = ctypes.c_int
-    library.ucm_read_digest.argtypes = [c_int, u64, p, p, u64, u64, c_int, c_int, p]
-    library.ucm_read_digest.restype = c_int
     library.ucm_open_block.argtypes = [c_int, ctypes.c_char_p, ctypes.c_char_p, p, u64, c_int, p]
     library.ucm_open_block.restype = c_int
-    library.ucm_read_block.argtypes = [
-        c_int,
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        p,
-        u64,
-        p,
-        p,
-        u64,
-        u64,
-        c_int,
-        p,
-        p,
-    ]
-    library.ucm_read_block.restype = c_int
-    library.ucm_fs_type.argtypes = [ctypes.c_int]
+    library.ucm_read_blocks.argtypes = [c_int, u64, p, u64, p, u64, p, p, p, u64, c_int, p, p, p]
+    library.ucm_read_blocks.restype = None
+    library.ucm_fs_type.argtypes = [c_int]
     library.ucm_fs_type.restype = ctypes.c_int64
     library.ucm_digest_choose.argtypes = [ctypes.c_int]
     library.ucm_digest_choose.restype = ctypes.c_int

@@ -11,9 +11,10 @@ async load reads on the store's threads and is scattered from ``get_transfer_res
 groups a failure fails the whole load (``failed_recving``), as vLLM maps block ids back to
 requests only for one group.
 
-Where the store only copies from host memory (``Store.reads_from_memory``: the dram store),
-the cache is on the CPU and a stored block is one engine block, a sync load reads straight
-into the engine's blocks, in one piece: no host row, no scatter.  The worker's thread, which
+Where the store writes what it reads only from host memory (``Store.reads_from_memory``: the
+dram store, the posix store on a local filesystem), the cache is on the CPU and a stored
+block is one engine block, a sync load reads straight into the engine's blocks, in one
+piece: no host row, no scatter.  The worker's thread, which
 would otherwise wait with its core idle, copies beside the store's threads.  Blocks that
 fail are load errors like any other, so vLLM recomputes them over whatever the read left
 there; a load that times out is cancelled and waited for (a memory copy ends at once), so

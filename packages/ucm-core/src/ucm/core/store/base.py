@@ -78,9 +78,10 @@ class Store(abc.ABC):
 
     @property
     def reads_from_memory(self) -> bool:
-        """Whether a load only copies from this host's memory, so that once cancelled it
-        ends at once (nothing to wait on, no device or network that may hang): a caller may
-        then read straight into memory it must take back, such as an engine's cache."""
+        """Whether a load writes the caller's buffers only from this host's memory (a read
+        from a disk, if any, lands in the store's own buffer first), so that once cancelled
+        it ends at once (nothing to wait on, no device or network that may hang): a caller
+        may then read straight into memory it must take back, such as an engine's cache."""
         return False
 
     @property

@@ -144,23 +144,26 @@ class Task:
         result: a bug in one key must not leave the task hanging."""
         self.run_keys((index,), lambda: (work(),))
 
-    def try_key(self, index: int, work: Callable[[], KeyResult | None]) -> bool:
-        """:meth:`run_key` for a key that ``work()`` may leave undone (None): it is then
-        the caller's to hand to another worker, and returns False.  A cancelled task
-        records ``CANCELLED`` without running ``work``."""
-        return self.run_keys((index,), lambda: None if (got := work()) is None else (got,))
-
     def run_keys(
         self,
         indices: Sequence[int],
-        work: Callable[[], Sequence[KeyResult] | None],
+        work: Callable[[], Sequence[KeyResult]],
         skipped: Callable[[], Any] | None = None,
-    ) -> bool:
+    ) -> None:
         """:meth:`run_key` for several keys moved by one call (``work()`` returns their
-        results in order, or None if it left them undone: see :meth:`try_key`).
-        ``skipped()``, where given, runs instead of ``work`` once the task is cancelled,
-        before the keys finish as ``CANCELLED``: it lets go of what the keys held (a caller
-        that sees the task done finds it let go).  Returns whether the keys have results."""
+        results in order).  ``skipped()``, where given, runs instead of ``work`` once the
+        task is cancelled, before the keys finish as ``CANCELLED``: it lets go of what the
+        keys held (a caller that sees the task done finds it let go)."""
+        self.try_keys(indices, work, skipped)
+
+    def try_keys(
+        self,
+        indices: Sequence[int],
+        work: Callable[[], Sequence[KeyResult | None]],
+        skipped: Callable[[], Any] | None = None,
+    ) -> list[int]:
+        """:meth:`run_keys` where ``work()`` may leave keys undone (None for their result):
+        they are returned, the caller's to hand to another worker."""
         with self._lock:
             start = not self._cancelled
             if start:
@@ -172,19 +175,19 @@ class Task:
                 except Exception:
                     log.exception("ucm store: unexpected failure letting go of a cancelled key")
             self.set_results(indices, [CANCELLED] * len(indices))
-            return True
+            return []
         try:
             try:
                 results = work()
-                if results is None:
-                    return False
                 if len(results) != len(indices):
                     raise RuntimeError(f"{len(results)} results for {len(indices)} keys")
             except Exception as exc:
                 log.exception("ucm store: unexpected failure")
                 results = [KeyResult(Status.ERROR, f"unexpected: {exc!r}")] * len(indices)
-            self.set_results(indices, results)  # callbacks run here, still counted as busy
-            return True
+            done = [(i, r) for i, r in zip(indices, results) if r is not None]
+            if done:  # callbacks run here, still counted as busy
+                self.set_results([i for i, _ in done], [r for _, r in done])
+            return [i for i, r in zip(indices, results) if r is None]
         finally:
             with self._lock:
                 self._busy -= 1

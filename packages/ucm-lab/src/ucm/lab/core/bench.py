@@ -48,9 +48,9 @@ from ucm.core.config import (
 from ucm.core.native import LIBRARY
 from ucm.core.settings import GIB
 from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
+from ucm.core.store.chunks import chunk_keys
 from ucm.core.store.dram import sealing
 from ucm.core.store.dram.sealing import compiled, move_sealed_batch
-from ucm.core.store.dram.shared import chunk_keys
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
 #: the cases that copy into a pool of pre-faulted blocks, made for them and dropped after

@@ -43,6 +43,7 @@ import xxhash
 from ucm.core.settings import ConfigError
 from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.chunks import chunk_size
 from ucm.core.store.dram.arena import (
     LOCK_WAIT_S,
     LOOKUP_WAIT_S,
@@ -67,37 +68,9 @@ from ucm.core.threads import store_pool
 log = logging.getLogger(__name__)
 
 _KEY = struct.Struct("<QQ")
-#: keys a copy thread reserves or pins under one hold of the arena's lock: small enough that
-#: its first copies start soon, large enough to spread the lock's cost and its hand-overs of
-#: the GIL (256 KiB blocks, batches of 128, two threads: 16 a chunk 0.39-0.44 / 0.55-0.60 of
-#: memcpy, 32 0.49-0.53 / 0.62-0.67, 64 0.46-0.66 / 0.54-0.68, in runs on a noisy VM; with
-#: the compiled copies, medians of five rounds, 16 0.97 / 0.74, 32 1.04 / 0.80, 64 1.17 / 0.75)
-CHUNK = 32
-#: and bytes of blocks one chunk holds at most (CHUNK blocks of 256 KiB), so that a batch of
-#: a few large blocks still spreads over the threads: FastDeploy writes steps of 8 blocks of
-#: 4 MiB, one chunk each before, sealed by one thread while the others had nothing to do
-CHUNK_BYTES = 8 << 20
-#: and at least this much, where the batch has it (see chunk_size)
-MIN_CHUNK_BYTES = 1 << 20
 #: after an open of the arena found its lock held past its wait, calls fail at once for
 #: this long (each would otherwise make the engine's thread wait out the bound again)
 RETRY_OPEN_S = 5.0
-
-
-def chunk_keys(nbytes: int) -> int:
-    """Keys a chunk of blocks of ``nbytes`` holds: :data:`CHUNK`, fewer for large blocks."""
-    return max(1, min(CHUNK, CHUNK_BYTES // max(nbytes, 1)))
-
-
-def chunk_size(n: int, nbytes: int, threads: int) -> int:
-    """Keys a chunk of a batch of ``n`` blocks of ``nbytes`` holds: :func:`chunk_keys`, or
-    fewer, so that the batch makes a chunk for each of ``threads`` copy threads and a thread
-    that waits.  A chunk holds :data:`MIN_CHUNK_BYTES` at least: each costs a hold of the
-    arena's lock and hand-overs of the GIL.  (Two copy threads and a waiter on two cores,
-    in one process: 66 blocks of 256 KiB load alike in three, six or nine chunks, 2.2-2.8
-    ms; 8 blocks in 0.49 ms as two chunks, 0.59 as three, 0.93 as eight.)"""
-    least = -(-MIN_CHUNK_BYTES // max(nbytes, 1))
-    return max(1, min(chunk_keys(nbytes), max(least, -(-n // (threads + 1)))))
 
 
 class SharedMemoryStore(Store):
@@ -752,6 +725,6 @@ def _layout_word(layout: bytes) -> int:
 
 
 __all__ = [
-    "MEMORY_FILESYSTEMS", "SharedMemoryStore", "chunk_keys", "mount_of", "seal_matches",
+    "MEMORY_FILESYSTEMS", "SharedMemoryStore", "mount_of", "seal_matches",
     "verify_arena",
 ]  # fmt: skip

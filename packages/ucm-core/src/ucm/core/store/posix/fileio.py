@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import stat
@@ -125,14 +126,18 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 class Bounce(threading.local):
-    """Per-thread buffers: a header page, and a page-aligned one for O_DIRECT I/O."""
+    """Per-thread buffers: header pages, and a page-aligned one for O_DIRECT I/O."""
 
     buf: mmap.mmap | None = None
     header: bytearray | None = None
 
-    def page(self) -> bytearray:
-        if self.header is None:
-            self.header = bytearray(HEADER_BYTES)
+    def page(self) -> memoryview:
+        return memoryview(self.pages(1))[:HEADER_BYTES]
+
+    def pages(self, n: int) -> bytearray:
+        """Room for ``n`` headers (the most of a chunk of a batch: kept for the next)."""
+        if self.header is None or len(self.header) < n * HEADER_BYTES:
+            self.header = bytearray(n * HEADER_BYTES)
         return self.header
 
     def get(self, size: int) -> mmap.mmap:
@@ -227,7 +232,7 @@ RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 # what ucm_open_block reports (native/file_reads.c)
-_SIZE, _INODE, _MODE, _HEADER_READ, _STAGE, _PAYLOAD_READ = range(6)
+_SIZE, _INODE, _MODE, _HEADER_READ, _STAGE, _PAYLOAD_READ, _FOUND = range(7)
 _OPENING_FOLDER, _OPENING_FILE = 0, 1
 
 
@@ -252,108 +257,116 @@ def open_block_reading(
             os.close(fd)
             raise
         return fd, st.st_size, st.st_ino, got
-    found = (ctypes.c_uint64 * 6)()
+    found = (ctypes.c_uint64 * _FOUND)()
     fd = library.ucm_open_block(
         blocks_fd, name[:2].encode(), name.encode(), address_of(header), header.nbytes, flags, found
     )
     if fd < 0:
-        _raise_open_failure(-fd, found[_STAGE], name)
+        raise _open_failure(-fd, found[_STAGE], name)
     if not stat.S_ISREG(found[_MODE]):
         os.close(fd)
         raise NotABlock(f"not a regular file (mode {found[_MODE]:#o})")
     return fd, found[_SIZE], found[_INODE], found[_HEADER_READ]
 
 
-def read_block(
-    blocks_fd: int, name: str, header: memoryview, parts: Sequence[memoryview], flags: int = 0
-) -> tuple[int, int, int, int | None]:
-    """Block file ``name`` read whole: its first bytes into ``header`` and, where it is long
-    enough, the rest into ``parts``, digested (:func:`read_digested`), the file's times set
-    to now.  Returns the file's size and inode, the header bytes read, and the payload's
-    digest (None where the file was too short to read it whole).  The caller checks the header
-    after the payload landed in ``parts``: nothing read sizes anything (the parts are the
-    caller's), and a block whose header does not match is a miss whatever the parts hold.
-    Raises as :func:`open_block_reading` and :func:`read_digested` do.  One compiled call
-    where the library is built."""
+#: a block read by :func:`read_blocks`: its file's size and inode, the header bytes read and
+#: the payload's digest (None where the file was too short to read it whole)
+BlockRead = tuple[int, int, int, "int | None"]
+
+
+def read_blocks(
+    blocks_fd: int,
+    names: Sequence[str],
+    headers: memoryview,
+    parts: Sequence[Sequence[memoryview]],
+    flags: int = 0,
+) -> list[BlockRead | Exception]:
+    """Blocks ``names`` (each in its folder ``name[:2]`` of ``blocks_fd``) read whole: block
+    i opened as :func:`open_block_reading` does, its first bytes read into ``headers``' i-th
+    :data:`HEADER_BYTES` and, where the file is long enough, the rest into ``parts[i]``,
+    digested piece by piece while each is still in the CPU cache, and its times set to now
+    (its recency, for the LRU of every process).
+
+    The caller checks each header after its payload landed in its parts: nothing read sizes
+    anything (the parts are the caller's), and a block whose header does not match is a
+    miss whatever its parts hold.  Each block's :data:`BlockRead`, or the error
+    :func:`open_block_reading` would raise (``BlockingIOError`` with RWF_NOWAIT in
+    ``flags``: a page the page cache did not hold).  One compiled call for all where the
+    library is built, which holds no GIL."""
     library = _LIBRARY
     if library is None:
-        fd, size, inode, got = open_block_reading(blocks_fd, name, header, flags)
-        try:
-            payload = sum([p.nbytes for p in parts])
-            if got < header.nbytes or size < header.nbytes + payload:
-                return size, inode, got, None
-            try:
-                return size, inode, got, read_digested(fd, parts, header.nbytes, flags, touch=True)
-            except BlockFormatError:  # it shrank
-                return size, inode, got, None
-        finally:
-            os.close(fd)
-    n = len(parts)
-    addrs = (ctypes.c_uint64 * n)(*[address_of(p) for p in parts])
-    lens = (ctypes.c_uint64 * n)(*[p.nbytes for p in parts])
-    found = (ctypes.c_uint64 * 6)()
-    digest = ctypes.c_uint64()
-    failed = -library.ucm_read_block(
-        blocks_fd, name[:2].encode(), name.encode(), address_of(header), header.nbytes,
-        addrs, lens, n, READ_PIECE, flags, found, ctypes.byref(digest),
+        return [
+            _read_block(blocks_fd, name, headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES],
+                        parts[i], flags)
+            for i, name in enumerate(names)
+        ]  # fmt: skip
+    count = len(names)
+    stride = max(len(name) for name in names) + 1 if names else 1
+    packed = b"".join(name.encode().ljust(stride, b"\0") for name in names)
+    flat = [part for block in parts for part in block]
+    starts = (ctypes.c_uint64 * (count + 1))(0, *itertools.accumulate(len(b) for b in parts))
+    addrs = (ctypes.c_uint64 * len(flat))(*[address_of(p) for p in flat])
+    lens = (ctypes.c_uint64 * len(flat))(*[p.nbytes for p in flat])
+    found = (ctypes.c_uint64 * (_FOUND * count))()
+    digests = (ctypes.c_uint64 * count)()
+    results = (ctypes.c_int64 * count)()
+    library.ucm_read_blocks(
+        blocks_fd, count, packed, stride, address_of(headers), HEADER_BYTES, addrs, lens,
+        starts, READ_PIECE, flags, found, digests, results,
     )  # fmt: skip
-    if failed:
-        _raise_open_failure(failed, found[_STAGE], name)
-    if not stat.S_ISREG(found[_MODE]):
-        raise NotABlock(f"not a regular file (mode {found[_MODE]:#o})")
-    read = found[_PAYLOAD_READ] == 1  # 2: the file shrank while it was read
-    return found[_SIZE], found[_INODE], found[_HEADER_READ], digest.value if read else None
+    reads: list[BlockRead | Exception] = []
+    for i, name in enumerate(names):
+        at = _FOUND * i
+        if results[i]:
+            reads.append(_open_failure(-results[i], found[at + _STAGE], name))
+        elif not stat.S_ISREG(found[at + _MODE]):
+            reads.append(NotABlock(f"not a regular file (mode {found[at + _MODE]:#o})"))
+        else:
+            read = found[at + _PAYLOAD_READ] == 1  # 2: the file shrank while it was read
+            size, inode, got = found[at + _SIZE], found[at + _INODE], found[at + _HEADER_READ]
+            reads.append((size, inode, got, digests[i] if read else None))
+    return reads
 
 
-def _raise_open_failure(failed: int, stage: int, name: str) -> None:
-    """The error of a compiled open or read that failed with ``errno`` ``failed`` at
-    ``stage``, as the Python calls raise it."""
+def _read_block(
+    blocks_fd: int, name: str, header: memoryview, parts: Sequence[memoryview], flags: int
+) -> BlockRead | Exception:
+    """:func:`read_blocks` of one block, in Python."""
+    try:
+        fd, size, inode, got = open_block_reading(blocks_fd, name, header, flags)
+    except (OSError, NotABlock) as exc:
+        return exc
+    try:
+        if got < HEADER_BYTES or size < HEADER_BYTES + sum([p.nbytes for p in parts]):
+            return size, inode, got, None
+        digest = Digest()
+        try:
+            read_hashing(fd, parts, HEADER_BYTES, digest)
+        except BlockFormatError:  # it shrank
+            return size, inode, got, None
+        try:
+            os.utime(fd)
+        except OSError:
+            pass  # a shared folder may hold files of other users
+        return size, inode, got, digest.intdigest()
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(fd)
+
+
+def _open_failure(failed: int, stage: int, name: str) -> Exception:
+    """The error of a compiled open or read of block ``name`` that failed with ``errno``
+    ``failed`` at ``stage``, as the Python calls raise it."""
     if failed == errno.ENOENT:
-        raise FileNotFoundError(failed, os.strerror(failed))
+        return FileNotFoundError(failed, os.strerror(failed))
     if stage == _OPENING_FOLDER and failed in (errno.ELOOP, errno.ENOTDIR):
-        raise NotAFolder(
+        return NotAFolder(
             failed, f"blocks/{name[:2]} is not a folder of the store (a link or a file)"
         )
     if stage == _OPENING_FILE and failed == errno.ELOOP:
-        raise NotABlock("a symbolic link, not a block file")
-    raise OSError(failed, os.strerror(failed))
-
-
-def read_digested(
-    fd: int, parts: Sequence[memoryview], offset: int, flags: int = 0, *, touch: bool = False
-) -> int:
-    """Fill ``parts`` in order from ``offset`` and return the digest of what they hold
-    (:mod:`ucm.core.digest`), each piece digested right after it is read; then, if
-    ``touch``, set the file's times to now (its recency; not an error where it cannot).
-
-    ``flags``: preadv2's (with RWF_NOWAIT, a page the cache does not hold raises
-    ``BlockingIOError``, the parts filled so far left as they are).  Raises
-    ``BlockFormatError`` if the file ends first.  One compiled call that holds no GIL where
-    the library is built; pieces of :func:`read_hashing` otherwise (no flags)."""
-    library = _LIBRARY
-    if library is None:
-        if flags:
-            raise OSError(errno.EOPNOTSUPP, "read flags need the compiled library")
-        digest = Digest()
-        read_hashing(fd, parts, offset, digest)
-        if touch:
-            try:
-                os.utime(fd)
-            except OSError:
-                pass  # a shared folder may hold files of other users
-        return digest.intdigest()
-    n = len(parts)
-    addrs = (ctypes.c_uint64 * n)(*[address_of(p) for p in parts])
-    lens = (ctypes.c_uint64 * n)(*[p.nbytes for p in parts])
-    out = ctypes.c_uint64()
-    done = library.ucm_read_digest(
-        fd, offset, addrs, lens, n, READ_PIECE, flags, touch, ctypes.byref(out)
-    )
-    if done == 1:
-        raise BlockFormatError("file shrank while being read")
-    if done < 0:
-        raise OSError(-done, os.strerror(-done))
-    return out.value
+        return NotABlock("a symbolic link, not a block file")
+    return OSError(failed, os.strerror(failed))
 
 
 #: fstatfs magic numbers of filesystems whose operations on cached data end without a

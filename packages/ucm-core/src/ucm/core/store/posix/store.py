@@ -20,27 +20,28 @@ readable after it is evicted (POSIX keeps the inode until it is closed).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
 import threading
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from ucm.core.block_format import (
     HEADER_BYTES,
     BlockFormatError,
+    BlockHeader,
     OtherVersion,
-    check_payload,
     decode_header,
     encode_header,
-    payload_hasher,
     verify_payload,
 )
 from ucm.core.settings import GIB, ConfigError
 from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
+from ucm.core.store.chunks import chunk_size
 from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder
 from ucm.core.store.payload import Payload, copy_parts, fill_parts
@@ -49,6 +50,7 @@ from ucm.core.store.posix.config import AUTO, PosixStoreConfig
 from ucm.core.store.posix.fileio import (
     O_CLOEXEC,
     O_DIRECT,
+    RWF_NOWAIT,
     Bounce,
     NotABlock,
     open_block_folder,
@@ -57,8 +59,7 @@ from ucm.core.store.posix.fileio import (
     pread_into,
     pwrite_all,
     quick_read_flags,
-    read_block,
-    read_hashing,
+    read_blocks,
     round_up,
     unlink_in,
 )
@@ -265,17 +266,8 @@ class PosixStore(Room, Store):
                 self._scanned.set()
                 self._counted.set()
 
-    def _run(
-        self,
-        n: int,
-        work: Callable[[Task, int], KeyResult],
-        quick: Callable[[int], KeyResult | None] | None = None,
-    ) -> Task:
-        """Run ``work(task, index)`` for every index on the I/O threads.
-
-        ``quick(index)``: the key's work for a thread that waits for the task
-        (:meth:`Task.help_with`), done only where it cannot wait on a device (None: left
-        to the I/O threads)."""
+    def _run(self, n: int, work: Callable[[Task, int], KeyResult]) -> Task:
+        """Run ``work(task, index)`` for every index on the I/O threads."""
         task = Task(n)
         if n == 0:
             return task
@@ -287,20 +279,6 @@ class PosixStore(Room, Store):
 
         for _ in range(min(n, self.config.io_thread_count)):
             self._pool.submit(worker)
-        if quick is not None:
-
-            def help_once() -> bool:
-                i = next(indices, None)
-                if i is None:
-                    return False
-                if not task.try_key(i, lambda: quick(i)):  # type: ignore[misc]
-                    try:
-                        self._pool.submit(task.run_key, i, lambda: work(task, i))
-                    except RuntimeError:  # the store closed meanwhile
-                        task.set_result(i, KeyResult(Status.ERROR, "the store was closed"))
-                return True
-
-            task.help_with(help_once)
         return task
 
     def _check_open(self) -> None:
@@ -424,72 +402,197 @@ class PosixStore(Room, Store):
 
     # -- load --
 
+    @property
+    def reads_from_memory(self) -> bool:
+        """On a local filesystem a load writes the caller's buffers only from memory: from
+        the page cache (or tmpfs), or from a block this store's thread read into its own
+        buffer first (see :meth:`load`)."""
+        return self._quick_flags is not None
+
     def load(self, keys: Sequence[bytes], buffers: Sequence[object], layout: bytes = b"") -> Task:
+        """Blocks read in chunks (:func:`chunk_size`), taken by the I/O threads and by the
+        thread that waits for the task (:meth:`Task.help_with`) as each comes free.
+
+        A chunk is one compiled call (:func:`read_blocks`) that reads each block straight
+        into its buffers and digests it.  On a local filesystem it reads only what is in
+        memory: a block that is not is read by an I/O thread into a buffer of its own, and
+        copied into the caller's only then and only if the task was not cancelled (a
+        cancel waits for copies, never for a disk).  The waiting thread reads only from
+        memory; what it cannot read goes to the I/O threads.  A signed store, and one read
+        with O_DIRECT, read every block that way (its MAC is computed in Python; O_DIRECT
+        needs an aligned buffer)."""
         self._check_open()
         views = check_batch(keys, buffers, writable=True)
-        return self._run(
-            len(keys),
-            lambda task, i: self._load_one(bytes(keys[i]), views[i], layout),
-            (lambda i: self._read_block(bytes(keys[i]), views[i], layout, quick=True))
-            if self._quick_flags is not None
-            else None,
-        )
+        named = [bytes(k) for k in keys]
+        n = len(named)
+        task = Task(n)
+        if n == 0:
+            return task
+        threads = self.config.io_thread_count
+        size = chunk_size(n, views[0].nbytes, threads)
+        chunks = iter([range(at, min(n, at + size)) for at in range(0, n, size)])
 
-    def _load_one(self, key: bytes, out: Payload, layout: bytes) -> KeyResult:
-        result = self._read_block(key, out, layout, quick=False)
-        assert result is not None  # only a quick read leaves a block to another
-        return result
+        def read(chunk: range, quick: bool) -> list[KeyResult | None]:
+            return self._read_chunk(
+                [named[i] for i in chunk], [views[i] for i in chunk], layout, quick
+            )
 
-    def _read_block(
-        self, key: bytes, out: Payload, layout: bytes, *, quick: bool
-    ) -> KeyResult | None:
-        """Read one block into ``out``.  Nothing read from the file sizes an allocation or a
-        read: reads go into ``out`` (or a bounce buffer of its size), and the block counts
-        only once its header names the key and the size asked for and its payload checks.
-        A signed store reads the header first and the payload only if it matches (its MAC
-        is computed in Python, the block's file open in between); every other block is
-        read in one compiled call and its header checked after (:func:`read_block`).
+        def staged(i: int) -> None:
+            self._load_staged(task, i, named[i], views[i], layout)
 
-        ``quick``: read only what is in memory, else return None having changed nothing but
-        (part of) ``out``, as on any error: an I/O thread then reads the block and judges
-        it (for the engine's waiting thread: :meth:`_run`)."""
-        flags = (self._quick_flags or 0) if quick else 0
+        def take_all() -> None:
+            for chunk in chunks:  # shared: each thread takes the next chunk (GIL-atomic)
+                for i in task.try_keys(chunk, lambda chunk=chunk: read(chunk, False)):  # type: ignore[misc]
+                    staged(i)
+
+        def take_one() -> bool:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return False
+            for i in task.try_keys(chunk, lambda: read(chunk, True)):
+                try:
+                    self._pool.submit(staged, i)
+                except RuntimeError:  # the store closed meanwhile
+                    task.set_result(i, KeyResult(Status.ERROR, "the store was closed"))
+            return True
+
+        for _ in range(min(threads, -(-n // size))):
+            self._pool.submit(take_all)
+        if self._quick_flags is not None:
+            task.help_with(take_one)
+        return task
+
+    def _read_chunk(
+        self, keys: list[bytes], outs: list[Payload], layout: bytes, quick: bool
+    ) -> list[KeyResult | None]:
+        """Read blocks ``keys`` into ``outs`` in one call, then check each: its header must
+        name its key and the size asked for, its payload match the digest.  None for a
+        block left to :meth:`_load_staged`: not all in memory (on a local filesystem), or,
+        ``quick`` (the waiting thread), failed for any cause but what its file holds; every
+        block of a signed or O_DIRECT store."""
+        if self._direct or self._signer is not None:
+            return [None] * len(keys)
+        flags = self._quick_flags or 0  # on a local filesystem, from memory only
+        names = [self._file_name(key) for key in keys]
+        headers = memoryview(self._bounce.pages(len(keys)))
+        with self._reading_blocks(names):
+            reads = read_blocks(self._blocks_fd, names, headers, [out.parts for out in outs], flags)
+        partial = quick or bool(flags & RWF_NOWAIT)  # a read may stop at a page not in memory
+        results: list[KeyResult | None] = []
+        for i, (key, out, name, read) in enumerate(zip(keys, outs, names, reads)):
+            if isinstance(read, Exception):
+                again = not isinstance(read, (FileNotFoundError, NotABlock)) and (
+                    quick or isinstance(read, BlockingIOError)
+                )
+                results.append(None if again else self._open_failed(name, read))
+                continue
+            size, inode, got, digest = read
+            page = headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+
+            def check(header: BlockHeader, digest: int | None = digest) -> None:
+                if digest is None:  # long enough when it was opened
+                    raise BlockFormatError("file shrank while being read")
+                if digest != header.payload_checksum:
+                    raise BlockFormatError("payload checksum mismatch")
+
+            results.append(
+                self._judge(key, out, layout, name, page, size, inode, got, check, partial)
+            )
+        return results
+
+    def _load_staged(self, task: Task, i: int, key: bytes, out: Payload, layout: bytes) -> None:
+        """Key ``i`` of ``task``: its block read whole into this thread's buffer (the header
+        checked after: nothing read sizes the read, the buffer is ``out``'s size), then,
+        unless the task was cancelled meanwhile, checked and copied into ``out``.  The read
+        is not counted as work on the caller's buffers: a cancel does not wait for it."""
         name = self._file_name(key)
         wanted = HEADER_BYTES + out.nbytes
-        whole = not self._direct and self._signer is None
-        if self._direct:
-            view = memoryview(self._bounce.get(round_up(wanted)))
-            page = view[:HEADER_BYTES]
-        else:
-            page = memoryview(self._bounce.page())
-        with self._lock:
-            self._reading[name] += 1
-        fd = -1
+        view = memoryview(self._bounce.get(round_up(wanted)))
+        page = view[:HEADER_BYTES]
+        read = 0
         try:
-            if whole:
-                size, inode, got, digest = read_block(self._blocks_fd, name, page, out.parts, flags)
-            else:
+            with self._reading_blocks([name]):
                 fd, size, inode, got = open_block_reading(
-                    self._blocks_fd, name, page, flags, direct=self._direct
+                    self._blocks_fd, name, page, direct=self._direct
                 )
-        except FileNotFoundError:
-            self._read_done(name, fd)
+                try:
+                    if got >= HEADER_BYTES and size >= wanted:
+                        area = view[HEADER_BYTES : round_up(wanted) if self._direct else wanted]
+                        read = pread_into(fd, area, HEADER_BYTES)
+                        try:
+                            os.utime(fd)  # recency for the LRU, visible to every process
+                        except OSError:
+                            pass  # a shared directory may hold files of other users
+                finally:
+                    os.close(fd)
+        except (OSError, NotABlock) as exc:
+            failed = exc
+            task.run_key(i, lambda: self._open_failed(name, failed))
+            return
+
+        def check(header: BlockHeader) -> None:
+            stored = view[HEADER_BYTES:wanted]
+            if read < out.nbytes:  # long enough when it was opened
+                raise BlockFormatError("file shrank while being read")
+            verify_payload(header, stored, self._signer)  # of one contiguous run
+            fill_parts(out.parts, stored)
+
+        def judged() -> KeyResult:
+            result = self._judge(key, out, layout, name, page, size, inode, got, check)
+            assert result is not None  # None only for a partial read
+            return result
+
+        task.run_key(i, judged)
+
+    @contextlib.contextmanager
+    def _reading_blocks(self, names: list[str]) -> Iterator[None]:
+        """Blocks ``names`` counted as being read by this process meanwhile (an eviction
+        pass leaves them)."""
+        with self._lock:
+            self._reading.update(names)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading.subtract(names)
+                for name in set(names):
+                    if not self._reading[name]:
+                        del self._reading[name]
+
+    def _open_failed(self, name: str, exc: Exception) -> KeyResult:
+        """The result of a block whose file could not be opened or read."""
+        if isinstance(exc, FileNotFoundError):
             return MISS
-        except NotABlock as exc:
-            self._read_done(name, fd)
+        if isinstance(exc, NotABlock):
             self._count_error()
             self._discard(name, None)
             log.warning("ucm posix store: block %s is %s; removed", name, exc)
             return KeyResult(Status.CORRUPT, str(exc))
-        except OSError as exc:  # quick: not in memory (EAGAIN), or for an I/O thread to judge
-            self._read_done(name, fd)
-            if quick:
-                return None
-            self._count_error()
-            return KeyResult(Status.ERROR, f"cannot read block {name}: {exc.strerror or exc}")
+        self._count_error()
+        why = getattr(exc, "strerror", None) or exc
+        return KeyResult(Status.ERROR, f"cannot read block {name}: {why}")
+
+    def _judge(
+        self,
+        key: bytes,
+        out: Payload,
+        layout: bytes,
+        name: str,
+        page: memoryview,
+        size: int,
+        inode: int,
+        got: int,
+        payload: Callable[[BlockHeader], None],
+        partial: bool = False,
+    ) -> KeyResult | None:
+        """A block's result from its header (``got`` bytes of it in ``page``) and the file's
+        ``size``: it counts only if the header names ``key`` and the size asked for, and
+        ``payload(header)`` (the check of the payload, and its copy) passes.  A corrupt
+        block is removed (unless a writer replaced its file, ``inode``, meanwhile).  None:
+        ``partial``, and the header was not all read (a page not in memory)."""
         try:
             if got < HEADER_BYTES:
-                if quick:  # some of it not in the page cache: an I/O thread judges
+                if partial:
                     return None
                 raise BlockFormatError(f"file truncated: {got} bytes")
             header = decode_header(page, expect_key=key, signer=self._signer)
@@ -499,36 +602,15 @@ class PosixStore(Room, Store):
                     Status.ERROR,
                     f"buffer is {out.nbytes} bytes but the stored block holds {header.payload_len}",
                 )
-            if size < wanted:
+            if size < HEADER_BYTES + out.nbytes:
                 raise BlockFormatError(f"file truncated: payload of {out.nbytes} bytes incomplete")
-            if whole:  # read, digested and its times set by the one call
-                if digest is None:
-                    raise BlockFormatError("file shrank while being read")
-                if digest != header.payload_checksum:
-                    raise BlockFormatError("payload checksum mismatch")
-            elif self._direct:
-                stored = view[HEADER_BYTES:wanted]
-                if pread_into(fd, view[HEADER_BYTES : round_up(wanted)], HEADER_BYTES) < (
-                    out.nbytes
-                ):
-                    raise BlockFormatError("file shrank while being read")
-                verify_payload(header, stored, self._signer)  # of one contiguous run
-                fill_parts(out.parts, stored)
-            else:
-                hasher = payload_hasher(header, self._signer)
-                read_hashing(fd, out.parts, HEADER_BYTES, hasher)
-                check_payload(header, hasher)
+            payload(header)
             if header.layout != layout:  # the caller's mistake: the block itself is fine
                 self._count_error()
                 return KeyResult(
                     Status.ERROR,
                     f"stored block has layout {header.layout!r}, asked for {layout!r}",
                 )
-            if not whole:
-                try:
-                    os.utime(fd)  # recency for the LRU, visible to every process
-                except OSError:
-                    pass  # a shared directory may hold files of other users
             return OK
         except OtherVersion as exc:  # another build's block: not ours to judge or delete
             return KeyResult(Status.MISS, str(exc))
@@ -537,23 +619,6 @@ class PosixStore(Room, Store):
             self._discard(name, inode)
             log.warning("ucm posix store: block %s is corrupt (%s); removed", name, exc)
             return KeyResult(Status.CORRUPT, str(exc))
-        except OSError as exc:  # quick: not in memory (EAGAIN), or for an I/O thread to judge
-            if quick:
-                return None
-            self._count_error()
-            return KeyResult(Status.ERROR, f"cannot read block {name}: {exc.strerror}")
-        finally:
-            self._read_done(name, fd)
-
-    def _read_done(self, name: str, fd: int) -> None:
-        """The end of a read of block ``name``: its file closed (``fd`` >= 0), and no
-        longer counted as being read."""
-        if fd >= 0:
-            os.close(fd)
-        with self._lock:
-            self._reading[name] -= 1
-            if not self._reading[name]:
-                del self._reading[name]
 
     def _discard(self, name: str, inode: int | None) -> None:
         """Remove a bad file at a block's name, unless a writer has replaced it with a new
