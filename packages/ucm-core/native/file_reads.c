@@ -11,13 +11,15 @@
  *
  * A read fills up to ``piece`` bytes (several parts in one preadv2, or a large part cut),
  * and what it filled is digested next, while the core's cache still holds it.  Nothing
- * read from a file sizes anything: reads go into the caller's parts, at most their bytes.
+ * read from a file sizes anything: reads go into the caller's parts, at most their bytes,
+ * and only once the header's first bytes are those of the block asked for.
  * See ucm/core/store/posix/fileio.py, the only caller, for the contract. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <sys/vfs.h>
@@ -141,13 +143,15 @@ __attribute__((visibility("default"))) int64_t ucm_fs_type(int fd) {
 }
 
 /* ucm_open_block, then, if the file is a regular one of ``header_len`` + the parts' bytes
- * at least, read_digest of the payload, then a close.  Returns 0 or -errno, ``found``
- * filled as ucm_open_block's, ``found[PAYLOAD_READ]`` 1 where the payload was read and
- * digested into ``*digest``, 2 where the file ended before it was whole. */
+ * at least and its header begins with the ``expect_len`` bytes at ``expect`` (the header
+ * of the block asked for: key, size, format), read_digest of the payload, then a close.
+ * Returns 0 or -errno, ``found`` filled as ucm_open_block's, ``found[PAYLOAD_READ]`` 1
+ * where the payload was read and digested into ``*digest``, 2 where the file ended before
+ * it was whole. */
 static int read_block(int blocks_fd, const char *folder, const char *name, uint8_t *header,
-                      uint64_t header_len, const uint64_t *addrs, const uint64_t *lens,
-                      uint64_t n, uint64_t piece, int flags, uint64_t *found,
-                      uint64_t *digest) {
+                      uint64_t header_len, const uint8_t *expect, uint64_t expect_len,
+                      const uint64_t *addrs, const uint64_t *lens, uint64_t n, uint64_t piece,
+                      int flags, uint64_t *found, uint64_t *digest) {
     found[PAYLOAD_READ] = 0;
     int fd = ucm_open_block(blocks_fd, folder, name, header, header_len, flags, found);
     if (fd < 0)
@@ -157,7 +161,8 @@ static int read_block(int blocks_fd, const char *folder, const char *name, uint8
         payload += lens[i];
     int done = 0;
     if (S_ISREG((mode_t)found[MODE]) && found[HEADER_READ] == header_len &&
-        found[SIZE] >= header_len + payload) {
+        found[SIZE] >= header_len + payload && expect_len <= header_len &&
+        memcmp(header, expect, (size_t)expect_len) == 0) {
         done = read_digest(fd, header_len, addrs, lens, n, piece, flags, digest);
         if (done >= 0)
             found[PAYLOAD_READ] = done == 0 ? 1 : 2;
@@ -168,21 +173,23 @@ static int read_block(int blocks_fd, const char *folder, const char *name, uint8
 
 /* read_block for each of ``count`` blocks: block i named by the NUL-terminated string at
  * ``names + i * stride`` (its folder: the name's first two characters), its header read
- * into ``headers + i * header_len`` and its payload into its parts, ``starts[i]`` to
+ * into ``headers + i * header_len`` (expected to begin with the ``expect_len`` bytes at
+ * ``expect + i * expect_len``) and its payload into its parts, ``starts[i]`` to
  * ``starts[i + 1]`` of ``addrs`` and ``lens``; its ``found`` at ``found + i *
  * FOUND_FIELDS``, its digest in ``digests[i]``, what read_block returned in
  * ``results[i]``.  A chunk of a batch in one call: the GIL given up once for all of it. */
 __attribute__((visibility("default"))) void ucm_read_blocks(
     int blocks_fd, uint64_t count, const char *names, uint64_t stride, uint8_t *headers,
-    uint64_t header_len, const uint64_t *addrs, const uint64_t *lens, const uint64_t *starts,
-    uint64_t piece, int flags, uint64_t *found, uint64_t *digests, int64_t *results) {
+    uint64_t header_len, const uint8_t *expect, uint64_t expect_len, const uint64_t *addrs,
+    const uint64_t *lens, const uint64_t *starts, uint64_t piece, int flags, uint64_t *found,
+    uint64_t *digests, int64_t *results) {
     for (uint64_t i = 0; i < count; i++) {
         const char *name = names + i * stride;
         char folder[3] = {name[0], name[0] ? name[1] : 0, 0};
         uint64_t first = starts[i];
         results[i] = read_block(blocks_fd, folder, name, headers + i * header_len,
-                                    header_len, addrs + first, lens + first,
-                                    starts[i + 1] - first, piece, flags,
-                                    found + i * FOUND_FIELDS, digests + i);
+                                header_len, expect + i * expect_len, expect_len,
+                                addrs + first, lens + first, starts[i + 1] - first, piece,
+                                flags, found + i * FOUND_FIELDS, digests + i);
     }
 }

@@ -156,3 +156,15 @@ def test_a_thread_that_waits_starts_no_work_once_its_time_is_out():
         task.wait(0.25)
     assert len(calls) == 3 and all(c - started < 0.25 for c in calls)
     assert time.monotonic() - started < 0.5
+
+
+def test_keys_a_worker_leaves_undone_are_handed_back_and_the_others_recorded():
+    task = Task(4)
+    assert task.try_keys([0, 1, 2], lambda: [OK, None, OK]) == [1]
+    assert task.partial() == [OK, None, OK, None]
+    task.run_keys([1, 3], lambda: [OK, OK])
+    assert task.wait(0) == [OK] * 4
+    cancelled = Task(2)
+    cancelled.cancel()
+    assert cancelled.try_keys([0, 1], lambda: [None, None]) == []  # never run
+    assert [r.status for r in cancelled.wait(0)] == [Status.CANCELLED] * 2

@@ -72,7 +72,7 @@ def test_a_chunk_of_blocks_is_read_into_parts_of_any_size_and_digested(
             written(tmp_path, name, payload)
         parts = [parts_of(s) for s in sizes]
         headers = headers_for(3)
-        reads = read_blocks(blocks_fd, names, headers, parts)
+        reads = read_blocks(blocks_fd, names, headers, [b"hhhh"] * 3, parts)
         for i, (read, payload) in enumerate(zip(reads, payloads)):
             size, inode, got, digest = read
             assert (size, got, digest) == (
@@ -88,7 +88,8 @@ def test_a_chunk_of_blocks_is_read_into_parts_of_any_size_and_digested(
 
 def test_what_is_not_a_whole_block_file_is_told_apart(tmp_path, library):
     """Absent, a link (never followed), a FIFO (not waited on), a folder that is a link, a
-    file too short for the parts asked: each block's own answer, the others read."""
+    file too short for the parts asked, a header that is not the one asked for (its parts
+    left as they were): each block's own answer, the others read."""
     blocks_fd = blocks_folder(tmp_path)
     try:
         names = [
@@ -108,7 +109,11 @@ def test_what_is_not_a_whole_block_file_is_told_apart(tmp_path, library):
         os.mkfifo(tmp_path / "blocks" / "02" / names[2])
         os.symlink(tmp_path / "elsewhere", tmp_path / "blocks" / "03")
         written(tmp_path, names[5], b"y" * 1200)
-        reads = read_blocks(blocks_fd, names, headers_for(6), [parts_of([600, 600]) for _ in names])
+        names.append("06" + "0" * 30)  # a header other than the one asked for
+        written(tmp_path, names[6], b"z" * 1200)
+        parts = [parts_of([600, 600]) for _ in names]
+        reads = read_blocks(blocks_fd, names, headers_for(7), [b"hhhh"] * 6 + [b"UCMB"], parts)
+        assert reads[6][3] is None and bytes(parts[6][0]) == bytes(600)  # its parts untouched
         assert reads[0][3] is None and reads[0][2] == HEADER_BYTES
         assert isinstance(reads[1], NotABlock) and "link" in str(reads[1])
         assert isinstance(reads[2], NotABlock) and "regular" in str(reads[2])
@@ -137,12 +142,16 @@ def test_a_read_from_memory_only_stops_at_a_page_the_cache_does_not_hold(tmp_pat
         name = "7f" + "0" * 30
         path = written(tmp_path, name, b"y" * (1 << 20))
         want = block_digest(b"y" * (1 << 20))
-        [read] = read_blocks(blocks_fd, [name], headers_for(1), [parts_of([1 << 20])], RWF_NOWAIT)
+        [read] = read_blocks(
+            blocks_fd, [name], headers_for(1), [b""], [parts_of([1 << 20])], RWF_NOWAIT
+        )
         assert read[3] == want
         page_cache_dropped(path)
-        [read] = read_blocks(blocks_fd, [name], headers_for(1), [parts_of([1 << 20])], RWF_NOWAIT)
+        [read] = read_blocks(
+            blocks_fd, [name], headers_for(1), [b""], [parts_of([1 << 20])], RWF_NOWAIT
+        )
         assert isinstance(read, BlockingIOError)
-        [read] = read_blocks(blocks_fd, [name], headers_for(1), [parts_of([1 << 20])])
+        [read] = read_blocks(blocks_fd, [name], headers_for(1), [b""], [parts_of([1 << 20])])
         assert read[3] == want
     finally:
         os.close(blocks_fd)

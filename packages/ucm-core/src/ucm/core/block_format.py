@@ -49,6 +49,8 @@ MAX_LAYOUT_BYTES = 1024
 SIGNED = 1
 
 _FIXED = struct.Struct("<4sHHI16sQQH")
+#: the fields of _FIXED up to the payload's length: fixed for a key and a length
+_PREFIX = struct.Struct("<4sHHI16sQ")
 _CHECKSUM = struct.Struct("<Q")
 _PADDING = bytes(HEADER_BYTES)
 
@@ -124,6 +126,14 @@ def encode_header(
         head += mac.digest()
     head += _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
     return head + bytes(HEADER_BYTES - len(head))
+
+
+def header_prefix(key: bytes, payload_len: int) -> bytes:
+    """The first bytes of the header of an unsigned block of this format holding
+    ``payload_len`` bytes under ``key``: a reader that compares them before it reads a
+    payload reads none of a block that is not the one asked for (another key, size, format
+    or a signed block), without parsing the header."""
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, key, payload_len)
 
 
 def decode_header(

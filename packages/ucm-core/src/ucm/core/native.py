@@ -26,7 +26,9 @@ def _load() -> ctypes.CDLL | None:
     c_int = ctypes.c_int
     library.ucm_open_block.argtypes = [c_int, ctypes.c_char_p, ctypes.c_char_p, p, u64, c_int, p]
     library.ucm_open_block.restype = c_int
-    library.ucm_read_blocks.argtypes = [c_int, u64, p, u64, p, u64, p, p, p, u64, c_int, p, p, p]
+    library.ucm_read_blocks.argtypes = [
+        c_int, u64, p, u64, p, u64, p, u64, p, p, p, u64, c_int, p, p, p
+    ]  # fmt: skip
     library.ucm_read_blocks.restype = None
     library.ucm_fs_type.argtypes = [c_int]
     library.ucm_fs_type.restype = ctypes.c_int64

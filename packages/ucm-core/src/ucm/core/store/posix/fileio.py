@@ -1,7 +1,8 @@
 """The posix store's file I/O: opening a block without trusting what is at its path,
 vectored writes and reads that fill a block's parts in place, reads hashed piece by piece
-while each piece is still in the CPU cache, the per-thread bounce buffers that O_DIRECT
-needs, and removals relative to directory descriptors."""
+while each piece is still in the CPU cache (a chunk of blocks in one compiled call:
+:func:`read_blocks`), the per-thread buffers, and removals relative to directory
+descriptors."""
 
 from __future__ import annotations
 
@@ -278,18 +279,21 @@ def read_blocks(
     blocks_fd: int,
     names: Sequence[str],
     headers: memoryview,
+    expect: Sequence[bytes],
     parts: Sequence[Sequence[memoryview]],
     flags: int = 0,
 ) -> list[BlockRead | Exception]:
     """Blocks ``names`` (each in its folder ``name[:2]`` of ``blocks_fd``) read whole: block
     i opened as :func:`open_block_reading` does, its first bytes read into ``headers``' i-th
-    :data:`HEADER_BYTES` and, where the file is long enough, the rest into ``parts[i]``,
-    digested piece by piece while each is still in the CPU cache, and its times set to now
-    (its recency, for the LRU of every process).
+    :data:`HEADER_BYTES` and, where the file is long enough and its header begins with
+    ``expect[i]`` (:func:`~ucm.core.block_format.header_prefix`: the key, size and format
+    asked for; all of one length), the rest into ``parts[i]``, digested piece by piece while
+    each is still in the CPU cache, and its times set to now (its recency, for the LRU of
+    every process).
 
-    The caller checks each header after its payload landed in its parts: nothing read sizes
-    anything (the parts are the caller's), and a block whose header does not match is a
-    miss whatever its parts hold.  Each block's :data:`BlockRead`, or the error
+    Nothing read sizes anything (the parts are the caller's), and a block that is not the
+    one asked for leaves its parts as they were.  The caller checks each whole header
+    after.  Each block's :data:`BlockRead`, or the error
     :func:`open_block_reading` would raise (``BlockingIOError`` with RWF_NOWAIT in
     ``flags``: a page the page cache did not hold).  One compiled call for all where the
     library is built, which holds no GIL."""
@@ -297,7 +301,7 @@ def read_blocks(
     if library is None:
         return [
             _read_block(blocks_fd, name, headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES],
-                        parts[i], flags)
+                        expect[i], parts[i], flags)
             for i, name in enumerate(names)
         ]  # fmt: skip
     count = len(names)
@@ -310,9 +314,11 @@ def read_blocks(
     found = (ctypes.c_uint64 * (_FOUND * count))()
     digests = (ctypes.c_uint64 * count)()
     results = (ctypes.c_int64 * count)()
+    expected = b"".join(expect)
     library.ucm_read_blocks(
-        blocks_fd, count, packed, stride, address_of(headers), HEADER_BYTES, addrs, lens,
-        starts, READ_PIECE, flags, found, digests, results,
+        blocks_fd, count, packed, stride, address_of(headers), HEADER_BYTES, expected,
+        len(expect[0]) if expect else 0, addrs, lens, starts, READ_PIECE, flags, found,
+        digests, results,
     )  # fmt: skip
     reads: list[BlockRead | Exception] = []
     for i, name in enumerate(names):
@@ -329,7 +335,12 @@ def read_blocks(
 
 
 def _read_block(
-    blocks_fd: int, name: str, header: memoryview, parts: Sequence[memoryview], flags: int
+    blocks_fd: int,
+    name: str,
+    header: memoryview,
+    expect: bytes,
+    parts: Sequence[memoryview],
+    flags: int,
 ) -> BlockRead | Exception:
     """:func:`read_blocks` of one block, in Python."""
     try:
@@ -337,7 +348,11 @@ def _read_block(
     except (OSError, NotABlock) as exc:
         return exc
     try:
-        if got < HEADER_BYTES or size < HEADER_BYTES + sum([p.nbytes for p in parts]):
+        if (
+            got < HEADER_BYTES
+            or size < HEADER_BYTES + sum([p.nbytes for p in parts])
+            or header[: len(expect)] != expect
+        ):
             return size, inode, got, None
         digest = Digest()
         try:
@@ -379,7 +394,7 @@ TMPFS = 0x01021994
 
 
 def quick_read_flags(fd: int) -> int | None:
-    """The flags for :func:`read_digested` with which a thread that must not wait on a
+    """The flags for :func:`read_blocks` with which a thread that must not wait on a
     device reads blocks from the filesystem of ``fd``: RWF_NOWAIT (the page cache only) on
     a local disk's, 0 on tmpfs (memory, which has no RWF_NOWAIT), None where it cannot:
     elsewhere, or without the compiled library."""

@@ -36,6 +36,7 @@ from ucm.core.block_format import (
     OtherVersion,
     decode_header,
     encode_header,
+    header_prefix,
     verify_payload,
 )
 from ucm.core.settings import GIB, ConfigError
@@ -476,7 +477,14 @@ class PosixStore(Room, Store):
         names = [self._file_name(key) for key in keys]
         headers = memoryview(self._bounce.pages(len(keys)))
         with self._reading_blocks(names):
-            reads = read_blocks(self._blocks_fd, names, headers, [out.parts for out in outs], flags)
+            reads = read_blocks(
+                self._blocks_fd,
+                names,
+                headers,
+                [header_prefix(key, out.nbytes) for key, out in zip(keys, outs)],
+                [out.parts for out in outs],
+                flags,
+            )
         partial = quick or bool(flags & RWF_NOWAIT)  # a read may stop at a page not in memory
         results: list[KeyResult | None] = []
         for i, (key, out, name, read) in enumerate(zip(keys, outs, names, reads)):
@@ -490,7 +498,7 @@ class PosixStore(Room, Store):
             page = headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
 
             def check(header: BlockHeader, digest: int | None = digest) -> None:
-                if digest is None:  # long enough when it was opened
+                if digest is None:  # its header as asked, long enough when it was opened
                     raise BlockFormatError("file shrank while being read")
                 if digest != header.payload_checksum:
                     raise BlockFormatError("payload checksum mismatch")
