@@ -14,8 +14,8 @@ requests only for one group.
 Where the store writes what it reads only from host memory (``Store.reads_from_memory``: the
 dram store, the posix store on a local filesystem), the cache is on the CPU and a stored
 block is one engine block, a sync load reads straight into the engine's blocks, in one
-piece: no host row, no scatter.  The worker's thread, which
-would otherwise wait with its core idle, copies beside the store's threads.  Blocks that
+piece: no host row, no scatter.  The worker's thread, which would otherwise wait with its
+core idle, copies beside the store's threads.  Blocks that
 fail are load errors like any other, so vLLM recomputes them over whatever the read left
 there; a load that times out is cancelled and waited for (a memory copy ends at once), so
 no read lands after vLLM has taken its blocks back.
