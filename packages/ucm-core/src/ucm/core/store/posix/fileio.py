@@ -132,9 +132,6 @@ class Bounce(threading.local):
     buf: mmap.mmap | None = None
     header: bytearray | None = None
 
-    def page(self) -> memoryview:
-        return memoryview(self.pages(1))[:HEADER_BYTES]
-
     def pages(self, n: int) -> bytearray:
         """Room for ``n`` headers (the most of a chunk of a batch: kept for the next)."""
         if self.header is None or len(self.header) < n * HEADER_BYTES:

@@ -459,8 +459,8 @@ class PosixStore(Room, Store):
 
         for _ in range(min(threads, -(-n // size))):
             self._pool.submit(take_all)
-        if self._quick_flags is not None:
-            task.help_with(take_one)
+        if self._quick_flags is not None and not (self._direct or self._signer is not None):
+            task.help_with(take_one)  # (a signed or O_DIRECT store's blocks are all staged)
         return task
 
     def _read_chunk(
