@@ -195,3 +195,15 @@ def test_tiered_close_writes_what_waits_behind(tmp_path):
     again = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
     assert again.lookup(keys) == [True] * 16
     again.close()
+
+
+def test_a_tiered_store_reads_from_memory_where_its_local_tier_is_memory_and_both_do(tmp_path):
+    # an engine reads such a store's loads straight into its cache: the load below, and
+    # the promotion of what it read (a copy into memory), end at once when cancelled
+    local = PosixStore(PosixStoreConfig(path=str(tmp_path / "p")))
+    memory = DramStore(DramStoreConfig(capacity_gb=10_000 / GIB))
+    assert TieredStore(memory, local).reads_from_memory == local.reads_from_memory
+    other = PosixStore(PosixStoreConfig(path=str(tmp_path / "q")))
+    assert not TieredStore(other, local).reads_from_memory  # promotions write a disk
+    local.close()
+    other.close()

@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 from ucm.core.lifecycle import DumpTracker
@@ -140,8 +141,6 @@ def test_a_thread_that_waits_does_the_work_it_is_offered_until_none_is_left():
 
 
 def test_a_thread_that_waits_starts_no_work_once_its_time_is_out():
-    import time
-
     task = Task(1)  # never finished by anybody
     calls = []
 
@@ -168,3 +167,70 @@ def test_keys_a_worker_leaves_undone_are_handed_back_and_the_others_recorded():
     cancelled.cancel()
     assert cancelled.try_keys([0, 1], lambda: [None, None]) == []  # never run
     assert [r.status for r in cancelled.wait(0)] == [Status.CANCELLED] * 2
+
+
+def test_a_cancel_tells_every_part_even_when_one_is_still_busy():
+    first, second = Task(1), Task(1)
+    whole = Task.combine(2, [([0], first), ([1], second)])
+    inside, release = threading.Event(), threading.Event()
+
+    def busy():
+        inside.set()
+        assert release.wait(10)
+        return OK
+
+    runner = threading.Thread(target=first.run_key, args=(0, busy))
+    runner.start()
+    assert inside.wait(10)
+    assert whole.cancel(wait=0) is False  # the first part's key is in progress
+    second.run_key(0, lambda: OK)  # not started before the cancel: never run
+    release.set()
+    runner.join(10)
+    assert [r.status for r in whole.wait(1)] == [Status.OK, Status.CANCELLED]
+
+
+def test_a_cancel_waits_for_a_part_an_earlier_part_starts_while_the_cancel_waits_for_it():
+    whole, first, later = Task(1), Task(1), Task(1)
+    whole.add_part(first)
+    inside, cancelling, release = threading.Event(), threading.Event(), threading.Event()
+
+    def held():
+        inside.set()
+        assert release.wait(10)
+        return OK
+
+    def start_later(done):  # as a tiered store reads below once the local tier missed
+        threading.Thread(target=later.run_key, args=(0, held)).start()
+        assert cancelling.wait(10)
+        time.sleep(0.1)  # the cancel has begun, waiting for this callback (first's work)
+        whole.add_part(later)
+
+    first.add_done_callback(start_later)
+    later.add_done_callback(lambda done: whole.set_result(0, done.wait(0)[0]))
+    runner = threading.Thread(target=first.run_key, args=(0, lambda: OK))
+    runner.start()
+    assert inside.wait(10)
+    cancelling.set()
+    assert whole.cancel(wait=0.5) is False  # the later part's key is still in progress
+    release.set()
+    runner.join(10)
+    assert whole.cancel(wait=10) is True and whole.done()
+
+
+def test_a_thread_that_waits_does_the_work_a_part_offers():
+    whole, part = Task(2), Task(2)
+    whole.add_part(part)
+    part.add_done_callback(lambda done: whole.set_results([0, 1], done.wait(0)))
+    left = [0, 1]
+    ran_on = []
+
+    def work() -> bool:
+        if not left:
+            return False
+        ran_on.append(threading.current_thread().name)
+        part.set_result(left.pop(0), OK)
+        return True
+
+    part.help_with(work)
+    assert whole.wait(1.0) == [OK] * 2
+    assert ran_on == [threading.current_thread().name] * 2

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -227,3 +228,53 @@ def test_cancelling_a_tiered_load_cancels_the_backing_load(tmp_path, monkeypatch
         assert task.cancel(wait=10) is True
         assert task.done()
         assert dram.lookup([key(1), key(2)]) == [False, False]  # nothing promoted
+
+
+def test_a_cancelled_tiered_load_waits_for_the_read_below_that_its_local_tier_started(
+    tmp_path, monkeypatch
+):
+    """The local tier's answer starts the read below on the local tier's thread, from a
+    callback: a cancel that comes meanwhile waits for that read too, or it would land in
+    buffers the caller has taken back (an engine's KV cache, where loads read in place)."""
+    front = PosixStore(PosixStoreConfig(path=str(tmp_path / "front"), io_threads=1))
+    backing = PosixStore(PosixStoreConfig(path=str(tmp_path / "below"), io_threads=1))
+    with TieredStore(front, backing) as s:
+        data = blob(1, 8192)
+        s.wait(backing.dump([key(1)], [data]))
+        real_read, real_load = posix_store.read_blocks, backing.load
+        returned, reading = threading.Event(), threading.Event()
+        opened, cancelling = threading.Event(), threading.Event()
+
+        def read_blocks(blocks_fd, *args, **kwargs):
+            if blocks_fd == backing._blocks_fd:  # the read below, held
+                reading.set()
+                assert opened.wait(10)
+            else:  # the local tier answers on its own thread, once the load is returned
+                assert returned.wait(10)
+            return real_read(blocks_fd, *args, **kwargs)
+
+        def load(*args, **kwargs):  # the read below started: the caller cancels now
+            task = real_load(*args, **kwargs)
+            assert cancelling.wait(10)
+            time.sleep(0.2)
+            return task
+
+        monkeypatch.setattr(posix_store, "read_blocks", read_blocks)
+        monkeypatch.setattr(backing, "load", load)
+        out = bytearray(8192)
+        task = s.load([key(1)], [out])
+        returned.set()
+        assert reading.wait(10)
+        quiet: list[bool] = []
+
+        def cancel() -> None:
+            cancelling.set()
+            quiet.append(task.cancel(wait=1.0))
+
+        canceller = threading.Thread(target=cancel)
+        canceller.start()
+        canceller.join(10)
+        assert quiet == [False]  # the read below is still in progress
+        opened.set()
+        assert task.cancel(wait=10) is True
+        assert task.done()

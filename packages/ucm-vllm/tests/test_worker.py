@@ -423,6 +423,45 @@ def test_sync_loads_from_host_memory_go_straight_into_the_cache(tmp_path):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def test_a_tiered_store_loads_in_place_from_either_tier_where_both_read_from_memory(
+    tmp_path, shm_path
+):
+    # host memory over a posix store on a local filesystem: a sync load reads straight into
+    # the engine's blocks whichever tier holds them, and a block found only below is
+    # promoted; over a network filesystem (a mount may hang) it goes through rows
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore, TieredStore
+
+    layout = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP,))
+    chain = block_keys(layout.chain_namespace(None), list(range(128)), 32)
+    host = DramStoreConfig(path=shm_path, capacity_gb=0.01)
+    below = PosixStoreConfig(path=str(tmp_path / "below"))
+    writer, stored = worker_on(PosixStore(below), 0, layout=layout)
+    written = [Item(0, k, chain[k], [1 + k]) for k in range(4)]
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", written)], delayed=["cold"]))
+    finish_dumps(writer, "cold")
+    writer.shutdown()
+
+    tiered = TieredStore(SharedMemoryStore(host), PosixStore(below))
+    reader, cache = worker_on(tiered, 1, layout=layout, sync_loads=True)
+    assert reader.loads.in_place == tiered.backing.reads_from_memory
+    reader._scatter = None  # nothing may go through host rows
+    for step, at in enumerate((11, 21)):  # from below (and promoted), then from host memory
+        loads = [Item(0, k, chain[k], [at + k]) for k in range(4)]
+        reader.start_load_kv(StepPlan(loads=[Transfer(f"warm{step}", loads)]))
+        assert reader.take_load_errors() == set()
+        assert torch.equal(cache[at : at + 4], stored[1:5])
+        if step == 0:
+            assert tiered.front.lookup(reader.blocks.keys(loads)) == [True] * 4
+    reader.shutdown()
+    remote, _ = worker_on(
+        TieredStore(SharedMemoryStore(host), RemotePosixStore(below)), 2, layout=layout,
+        sync_loads=True,
+    )  # fmt: skip
+    assert not remote.loads.in_place
+    remote.shutdown()
+
+
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "rows-only"])
 @pytest.mark.parametrize("engine_blocks", [1, 8], ids=["one-engine-block", "eight-small"])
 def test_dumps_to_host_memory_are_gathered_straight_into_the_store(

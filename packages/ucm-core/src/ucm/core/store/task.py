@@ -203,10 +203,20 @@ class Task:
         from a done callback of the task itself: the callback counts as in progress.)
         """
         self._cancelled = True
-        with self._lock:
-            parts = list(self._parts)
         deadline = None if wait is None else time.monotonic() + wait
-        quiet = all(part.cancel(_left(deadline)) for part in parts)
+        quiet = True
+        seen = 0
+        # A part may start while an earlier one finishes (a tiered load reads below once
+        # the local tier has answered, from that answer's callback, which counts as the
+        # earlier part's work): once the earlier ones are quiet, the later ones are waited
+        # for too.  Every part is told, whether or not an earlier one went quiet in time.
+        while True:
+            with self._lock:
+                parts = self._parts[seen:]
+            if not parts:
+                break
+            seen += len(parts)
+            quiet = all([part.cancel(_left(deadline)) for part in parts]) and quiet
         with self._lock:
             while self._busy:
                 left = _left(deadline)
@@ -244,19 +254,30 @@ class Task:
         self._help = work
 
     def wait(self, timeout: float | None = None) -> list[KeyResult]:
-        work = self._help
-        if work is not None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            # a piece is started only while time is left, and ends within its own bound (a
-            # copy of a few MiB, or the dram arena's lock wait, LOCK_WAIT_S)
-            while not self._event.is_set() and (deadline is None or time.monotonic() < deadline):
-                if not work():
-                    self._help = None  # nothing left to take (and no cycle kept alive)
-                    break
-            timeout = _left(deadline)
-        if not self._event.wait(timeout):
+        """The results, once every key has one; the waiting thread meanwhile does work its
+        task, or a part of it, offers (:meth:`help_with`).  ``TimeoutError`` past
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # a piece is started only while time is left, and ends within its own bound (a
+        # copy of a few MiB, or the dram arena's lock wait, LOCK_WAIT_S)
+        while not self._event.is_set() and (deadline is None or time.monotonic() < deadline):
+            if not self._help_once():
+                break
+        if not self._event.wait(_left(deadline)):
             raise TimeoutError(f"{self._remaining} of {len(self._results)} keys still in flight")
         return [r for r in self._results if r is not None]
+
+    def _help_once(self) -> bool:
+        """One piece of the work this task or a part of it offers, done on this thread:
+        False when none is on offer now."""
+        work = self._help
+        if work is not None:
+            if work():
+                return True
+            self._help = None  # nothing left to take (and no cycle kept alive)
+        with self._lock:
+            parts = list(self._parts)
+        return any(part._help_once() for part in parts if not part.done())
 
     @classmethod
     def combine(cls, n: int, parts: Sequence[tuple[Sequence[int], Task]]) -> Task:

@@ -180,6 +180,18 @@ class TieredStore(Store):
         return whole
 
     @property
+    def reads_from_memory(self) -> bool:
+        """Where both tiers do and the local tier is memory: a load then writes the caller's
+        buffers from memory, and the promotions that read them copy into memory, so a
+        cancelled load ends at once (:meth:`Task.cancel` waits for the read below that the
+        local tier's answer started, and for the promotion after it)."""
+        return (
+            self.front.tier == "host"
+            and self.front.reads_from_memory
+            and self.backing.reads_from_memory
+        )
+
+    @property
     def tier(self) -> str:  # type: ignore[override]
         return self.front.tier
 
