@@ -17,7 +17,8 @@ For each block size, the same bytes go through
     ``batch_get_into``, in batches as large as the store's) and the mooncake store, each on
     a master and a segment server started for the run (or both on ``--master``);
 and the ratio store / baseline is printed per direction.  Each figure is the best of
-``--repeat`` runs, so that a noisy neighbour lowers no ratio by chance.
+``--repeat`` runs, so that a noisy neighbour lowers no ratio by chance, taken in rounds of
+every case in turn, so that a host's drift moves a case and its baseline alike.
 """
 
 from __future__ import annotations
@@ -166,6 +167,33 @@ def _round_trip(
     t_load = time.perf_counter() - t0
     store.remove(keys)
     return t_dump, t_load
+
+
+def _interleaved(
+    cases: list[tuple[str, Callable[[], tuple[float, float]], str | None]],
+    repeat: int,
+    pool: list,
+    size: int,
+    n: int,
+    label: str,
+) -> dict[str, list[tuple[float, float]]]:
+    """Each case's runs, in ``repeat`` rounds of every case in turn: a host whose speed
+    drifts over a minute (a shared VM) then moves a case and its baseline alike, where
+    the runs of one case after another set a case against a baseline timed at another
+    speed."""
+    timings: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in cases}
+    with tqdm(total=repeat * len(cases), desc=label, disable=None, file=sys.stderr) as bar:
+        for _ in range(repeat):
+            for name, run, _ in cases:
+                pooled = name in POOLED or name.startswith("memcpy x")
+                if pooled:
+                    pool[:] = [aligned(size) for _ in range(n)]
+                try:
+                    timings[name].append(run())
+                finally:
+                    pool.clear()
+                bar.update()
+    return timings
 
 
 def _check(results: list[KeyResult], what: str) -> None:
@@ -452,13 +480,9 @@ def run_store_bench(args: argparse.Namespace) -> int:
                     cases += _signed_cases(root, n * size, srcs, dsts, n, opened, floor)
             measured: dict[str, tuple[float, float]] = {}
             label = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
-            for name, run, baseline in tqdm(cases, desc=label, disable=None, file=sys.stderr):
-                if name in POOLED or name.startswith("memcpy x"):
-                    pool[:] = [aligned(size) for _ in range(n)]
-                timings = [run() for _ in range(args.repeat)]
-                if name in POOLED or name.startswith("memcpy x"):
-                    pool.clear()
-                best = (min(t[0] for t in timings), min(t[1] for t in timings))
+            timings = _interleaved(cases, args.repeat, pool, size, n, label)
+            for name, _, baseline in cases:
+                best = (min(t[0] for t in timings[name]), min(t[1] for t in timings[name]))
                 measured[name] = best
                 gb = n * size / 1e9
                 row: dict[str, object] = {
