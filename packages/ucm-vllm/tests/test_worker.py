@@ -443,8 +443,11 @@ def test_a_tiered_store_loads_in_place_from_either_tier_where_both_read_from_mem
     writer.shutdown()
 
     tiered = TieredStore(SharedMemoryStore(host), PosixStore(below))
+    if not tiered.backing.reads_from_memory:
+        tiered.close()
+        pytest.skip("the test's folder is not on a filesystem known to be local")
     reader, cache = worker_on(tiered, 1, layout=layout, sync_loads=True)
-    assert reader.loads.in_place == tiered.backing.reads_from_memory
+    assert reader.loads.in_place
     reader._scatter = None  # nothing may go through host rows
     for step, at in enumerate((11, 21)):  # from below (and promoted), then from host memory
         loads = [Item(0, k, chain[k], [at + k]) for k in range(4)]
