@@ -10,17 +10,24 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing import Self  # 3.11; annotations only, so 3.10 runs too
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "127.0.0.1", *, other_than: Collection[int] = ()) -> int:
+    """A port nothing listens on at ``host`` now, none of ``other_than``: the kernel may
+    hand two calls in a row the same free port, and a daemon given it twice (a Mooncake
+    master's RPC and metrics ports) fails to listen on the second only when it needs it."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in other_than:
+            return port
+    raise RuntimeError(f"no free port at {host} but {sorted(other_than)}")
 
 
 class Daemon(abc.ABC):

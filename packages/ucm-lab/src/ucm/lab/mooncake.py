@@ -50,7 +50,7 @@ class LocalMaster(Daemon):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.metrics_port = free_port("127.0.0.1")
+        self.metrics_port = free_port("127.0.0.1", other_than={self.port})
         self.etcd = etcd
         self.cluster_id = cluster_id
         self.oplog = oplog
@@ -145,7 +145,7 @@ class Etcd(Daemon):
     def __init__(self, data_dir: str, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.data_dir = data_dir
-        self.peer_port = free_port("127.0.0.1")
+        self.peer_port = free_port("127.0.0.1", other_than={self.port})
 
     @property
     def url(self) -> str:
