@@ -22,6 +22,7 @@ def test_a_daemon_never_gets_the_same_port_twice(monkeypatch, tmp_path):
     # a Mooncake master given its RPC port as its metrics port too listened on it for
     # metrics and failed to serve once elected leader (seen in a full test run)
     monkeypatch.setattr(daemon.socket, "socket", SamePort)
+    monkeypatch.setattr(daemon, "_GIVEN", set())  # the ports this test's fakes hand out
     SamePort.ports = [40001, 40001, 40001, 40002]
     master = LocalMaster(etcd="127.0.0.1:2379", cluster_id="c", log_path=str(tmp_path / "m"))
     assert (master.port, master.metrics_port) == (40001, 40002)

@@ -17,17 +17,24 @@ if TYPE_CHECKING:
     from typing import Self  # 3.11; annotations only, so 3.10 runs too
 
 
+#: every port free_port handed out in this process: none is handed out twice
+_GIVEN: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1", *, other_than: Collection[int] = ()) -> int:
-    """A port nothing listens on at ``host`` now, none of ``other_than``: the kernel may
-    hand two calls in a row the same free port, and a daemon given it twice (a Mooncake
-    master's RPC and metrics ports) fails to listen on the second only when it needs it."""
+    """A port nothing listens on at ``host`` now, none this process was given before and
+    none of ``other_than`` (a port chosen by a caller): the kernel may hand two calls in a
+    row the same free port, and a daemon given one already given (a Mooncake master's RPC
+    and metrics ports; a standby's RPC port, not bound until it is elected) fails to listen
+    on it only when it needs it."""
     for _ in range(1000):
         with socket.socket() as s:
             s.bind((host, 0))
             port = int(s.getsockname()[1])
-        if port not in other_than:
+        if port not in _GIVEN and port not in other_than:
+            _GIVEN.add(port)
             return port
-    raise RuntimeError(f"no free port at {host} but {sorted(other_than)}")
+    raise RuntimeError(f"no free port at {host} but {sorted(other_than)} and those given")
 
 
 class Daemon(abc.ABC):
