@@ -250,12 +250,14 @@ def _core_side_by_side(session: nox.Session, pythons: list[str]) -> None:
         env = envdir / f"tests_core-{python.replace('.', '-')}"
         bin_python = env / "bin" / "python"
         if not _runs(str(bin_python)):
-            session.run(interpreter, "-m", "venv", "--clear", str(env), external=True)
+            session.run_install(interpreter, "-m", "venv", "--clear", str(env), external=True)
         pip = [str(bin_python), "-m", "pip", "install", "--quiet", NO_COMPILE]
-        session.run(*pip, f"{wheels[CORE]}[{TEST_EXTRAS[CORE]}]",
-                    f"{wheels[LAB]}[{TEST_EXTRAS[LAB]}]", external=True)  # fmt: skip
-        session.run(*pip, "--force-reinstall", "--no-deps", str(wheels[CORE]), str(wheels[LAB]),
-                    external=True)  # fmt: skip
+        session.run_install(*pip, f"{wheels[CORE]}[{TEST_EXTRAS[CORE]}]",
+                            f"{wheels[LAB]}[{TEST_EXTRAS[LAB]}]", external=True)  # fmt: skip
+        session.run_install(*pip, "--force-reinstall", "--no-deps", str(wheels[CORE]),
+                            str(wheels[LAB]), external=True)  # fmt: skip
+        if _install_only(session):
+            continue
         log = Path(session.create_tmp()) / f"tests_core-{python}.log"
         command = [
             str(bin_python), "-m", "pytest", "--import-mode=importlib", "-p", "no:cacheprovider",
@@ -266,6 +268,8 @@ def _core_side_by_side(session: nox.Session, pythons: list[str]) -> None:
         with log.open("w") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ)
         runs.append((python, process, log))
+    if not runs:
+        return
     session.log(f"ucm-core's tests on Python {', '.join(p for p, _, _ in runs)}, side by side")
     failed = []
     for python, process, log in runs:
@@ -277,6 +281,12 @@ def _core_side_by_side(session: nox.Session, pythons: list[str]) -> None:
             failed.append(python)
     if failed:
         session.error(f"ucm-core's tests failed on Python {', '.join(failed)}")
+
+
+def _install_only(session: nox.Session) -> bool:
+    """Whether nox runs only the install steps (``--install-only``): ``session.run`` then
+    runs nothing and returns None (nox has no public flag for it)."""
+    return session.run("python", "-c", "", silent=True) is None
 
 
 def _interpreter(minor: str) -> str | None:

@@ -128,7 +128,7 @@ def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, cap
     report_path = tmp_path / "report.json"
     code = bench_peer.main(
         ["--systems", "vllm-floor,ucm-dram", "--lengths", "256", "--prefixes", "2",
-         "--concurrency", "2", "--output", "2", "--dtype", "float32", "--rounds", "2",
+         "--concurrency", "2", "--output", "2", "--dtype", "float32", "--rounds", "1",
          "--json", str(report_path)],
         Starters(server=from_the_zygote, client=client),
     )  # fmt: skip
@@ -141,10 +141,11 @@ def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, cap
     # token is computed); the connector is asked for all but the last token
     assert runs["vllm-floor"]["reused_tokens"] == 2 * 288
     assert runs["ucm-dram"]["reused_tokens"] == 2 * 319
-    assert runs["ucm-dram"]["rounds"] == 2 and len(runs["ucm-dram"]["ttfts_s"]) == 4
-    # each of UCM's runs follows one of the floor's, on the floor's server kept up
+    assert runs["ucm-dram"]["rounds"] == 1 and len(runs["ucm-dram"]["ttfts_s"]) == 2
+    # UCM's run follows one of the floor's, on the floor's server kept up (a round: the
+    # pooling of several is checked above, without servers)
     assert [(r["system"], r.get("beside")) for r in report["rounds"]] == [
-        ("vllm-floor", "ucm-dram"), ("ucm-dram", None)] * 2  # fmt: skip
+        ("vllm-floor", "ucm-dram"), ("ucm-dram", None)]  # fmt: skip
     assert [r["system"] for r in report["against_vllm-floor"]] == ["ucm-dram"]
     assert "| 256 | 2 | UCM, dram |" in capsys.readouterr().err
 
