@@ -11,6 +11,11 @@ Markers (``-m "not engine"`` and so on; the quick tier deselects the first three
   drive is the interpreter-independent code that quicker tests cover, so ``nox -s tests``
   runs them on the main Python only.
 
+Every test also gets the marker of the distribution whose ``tests`` folder holds it:
+``ucm_core``, ``ucm_kernels``, ``ucm_vllm``, ``ucm_fastdeploy``, ``ucm_lab`` (``nox -s
+tests`` runs ucm-core's every-Python tests on other Pythons than the rest with
+``-m "not (ucm_core and not root and not stress)"``).
+
 Tests that use a fixture below get its marker without writing it.  Where Mooncake is
 missing, its tests skip, except under ``UCM_REQUIRE_MOONCAKE=1`` (what the nox sessions
 set): there they fail, so a CI machine without Mooncake cannot pass by skipping them.
@@ -39,6 +44,8 @@ MARKERS = {
     "mooncake": "needs Mooncake's client and daemons",
     "stress": "thousands of operations or random kills: runs on the main Python only",
 }
+# the distributions, each marking the tests of its ``packages/<name>/tests`` folder
+DISTRIBUTIONS = ("ucm-core", "ucm-kernels", "ucm-vllm", "ucm-fastdeploy", "ucm-lab")
 # fixture -> the markers a test using it gets
 FIXTURE_MARKERS = {
     "mooncake_master": ("mooncake",),
@@ -52,14 +59,29 @@ FIXTURE_MARKERS = {
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    for name in DISTRIBUTIONS:
+        config.addinivalue_line("markers", f"{name.replace('-', '_')}: a test of {name}")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
 
 
+def distribution_marker(path: Path) -> str | None:
+    """The marker of the distribution whose tests ``path`` is among (``.../packages/ucm-core
+    /tests/test_x.py``: ``ucm_core``), or None."""
+    parts = path.parts
+    for at in range(len(parts) - 3, -1, -1):
+        if parts[at] == "packages" and parts[at + 1] in DISTRIBUTIONS and parts[at + 2] == "tests":
+            return parts[at + 1].replace("-", "_")
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        marker = distribution_marker(item.path)
+        if marker is not None:
+            item.add_marker(marker)
         for fixture in getattr(item, "fixturenames", ()):
             for marker in FIXTURE_MARKERS.get(fixture, ()):
                 item.add_marker(marker)
