@@ -232,21 +232,25 @@ def tests(session: nox.Session) -> None:
     ucm-core on 3.11, and a third run of them cost the 3.11 suite 106 s of its 860 on two
     cores."""
     _install_wheels(session, PACKAGES, TEST_EXTRAS)
-    edges = [python for python in EDGE_PYTHONS if _interpreter(python) is not None]
+    found = {python: _interpreter(python) for python in EDGE_PYTHONS}
+    edges = {python: path for python, path in found.items() if path is not None}
+    for python in found.keys() - edges.keys():
+        session.warn(f"Python {python} not found: ucm-core's tests skip it")
     if session.posargs or not edges:
         _pytest(session, PACKAGES)
     else:  # one run, so that ucm-core's short modules fill the gaps the engines leave
         _pytest(session, PACKAGES, "-m", f"not (ucm_core and {EVERY_PYTHON})")
     if not session.posargs:
-        _core_side_by_side(session, EDGE_PYTHONS)
+        _core_side_by_side(session, edges)
 
 
 # ucm-core's tests on the other Pythons, in the environments of the tests_core sessions
 SIDE_BY_SIDE_WORKERS = "2"
 
 
-def _core_side_by_side(session: nox.Session, pythons: list[str]) -> None:
-    """ucm-core's tests (as ``tests_core`` runs them) on each of ``pythons`` at once.
+def _core_side_by_side(session: nox.Session, interpreters: dict[str, str]) -> None:
+    """ucm-core's tests (as ``tests_core`` runs them) on each Python of ``interpreters``
+    (minor -> its interpreter) at once.
 
     They mostly wait (processes, sockets, Mooncake's daemons: a third of two cores busy), so
     side by side, two workers each, they take about two thirds of their time one after the
@@ -257,11 +261,7 @@ def _core_side_by_side(session: nox.Session, pythons: list[str]) -> None:
     envdir = Path(session.virtualenv.location).parent
     install_only = _install_only(session)
     runs = []
-    for python in pythons:
-        interpreter = _interpreter(python)
-        if interpreter is None:
-            session.warn(f"Python {python} not found: ucm-core's tests skip it")
-            continue
+    for python, interpreter in interpreters.items():
         env = envdir / f"tests_core-{python.replace('.', '-')}"
         bin_python = env / "bin" / "python"
         if not _runs(str(bin_python)):
