@@ -27,5 +27,8 @@ typedef struct {
 void ucm_digest_reset(ucm_digest_state *st);
 void ucm_digest_update(ucm_digest_state *st, const uint8_t *p, size_t n);
 uint64_t ucm_digest_final(const ucm_digest_state *st);
+/* The sum of the terms of ``n`` whole words at ``p``, the first being word ``first`` of its
+ * payload: a piece's share of the payload's sum. */
+uint64_t ucm_digest_sum(const uint8_t *p, uint64_t n, uint64_t first);
 
 #endif

@@ -107,3 +107,26 @@ __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
 #endif
     return count;
 }
+
+/* Copy ``count`` pieces of blocks, piece i ``lengths[i]`` bytes (whole words) from
+ * ``srcs[i]`` to ``dsts[i]``, and sum the words of each where it landed, its first word
+ * being word ``firsts[i]`` of its block's payload: ``sums[i]``.  A block's pieces' sums add
+ * up to its payload's (digest.h), so a load may copy a block a layer at a time, each layer
+ * of every block before the next, and check the block once its last layer landed: the check
+ * covers the bytes the engine reads, as OUT_OF_SLOT's does.  Returns the pieces copied. */
+__attribute__((visibility("default"))) uint64_t ucm_copy_sums(
+    uint64_t count, const uint64_t *dsts, const uint64_t *srcs, const uint64_t *lengths,
+    const uint64_t *firsts, uint64_t *sums) {
+    for (uint64_t i = 0; i < count; i++) {
+        uint8_t *dst = (uint8_t *)(uintptr_t)dsts[i];
+        const uint8_t *src = (const uint8_t *)(uintptr_t)srcs[i];
+        uint64_t n = lengths[i], sum = 0;
+        for (uint64_t off = 0; off < n; off += PIECE) {
+            size_t m = (size_t)(n - off < PIECE ? n - off : PIECE);
+            memcpy(dst + off, src + off, m);
+            sum += ucm_digest_sum(dst + off, m / 8, firsts[i] + off / 8);
+        }
+        sums[i] = sum;
+    }
+    return count;
+}

@@ -64,6 +64,33 @@ def test_pieces_sum_on_their_own_and_add_up_to_the_whole(way):
     assert finish(sum(reversed(sums)) & MASK, len(data)) == definition(data)
 
 
+def test_blocks_copied_a_layer_at_a_time_sum_to_their_digests_where_they_landed(way):
+    # a layered load: the first layer's part of every block, then the second's; each part's
+    # sum is of the bytes where they landed, and a block's parts add up to its digest
+    rng = np.random.default_rng(8)
+    parts = [8 * 7, 8 * 4096, 8 * 2500 + 8 * 2048]  # a block's layers (the last > a piece)
+    blocks = [rng.integers(0, 256, sum(parts), np.uint8) for _ in range(3)]
+    landed = [np.zeros(sum(parts), np.uint8) for _ in blocks]
+    offsets = np.cumsum([0, *parts])
+    totals = [0] * len(blocks)
+    for layer in reversed(range(len(parts))):  # in any order
+        at, n = int(offsets[layer]), parts[layer]
+        sums = digest.copy_sums(
+            np.array([dst.ctypes.data + at for dst in landed], np.uint64),
+            np.array([src.ctypes.data + at for src in blocks], np.uint64),
+            np.full(len(blocks), n, np.uint64),
+            np.full(len(blocks), at // 8, np.uint64),
+        )
+        for b, got in enumerate(sums.tolist()):
+            totals[b] += got
+    for src, dst, total in zip(blocks, landed, totals):
+        assert np.array_equal(src, dst)
+        assert finish(total & MASK, src.nbytes) == definition(src.tobytes())
+    with pytest.raises(ValueError, match="multiple of 8"):
+        digest.copy_sums(*(np.array([1], np.uint64) for _ in range(2)),
+                         np.array([12], np.uint64), np.array([0], np.uint64))  # fmt: skip
+
+
 def test_a_flipped_bit_anywhere_in_a_block_changes_its_digest(way):
     data = bytearray(np.random.default_rng(7).integers(0, 256, 4096, np.uint8).tobytes())
     want = block_digest(data)

@@ -3,6 +3,7 @@ torch caches and real stores, on the CPU and, where there is one, on a GPU."""
 
 import time
 
+import attrs
 import pytest
 import torch
 from ucm.core.store import Status, create_store, verified_prefix
@@ -291,3 +292,116 @@ def test_a_run_in_steps_keeps_the_stored_prefix_whole(device, heads, tmp_path):
     for at in range(13):
         for got, want in zip(_block(target, at), _block(source, ids[at])):
             assert torch.equal(got, want)
+
+
+class _GatedSums:
+    """``copy_sums`` that copies its first call's layer at once and each later one only
+    once ``gate`` is set: a copy still running while the engine waits."""
+
+    def __init__(self, real) -> None:
+        import threading
+
+        self.real = real
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls > 1:
+            self.gate.wait(10)
+        return self.real(*args)
+
+
+def test_a_read_a_layer_at_a_time_lands_layer_by_layer_and_is_checked_once_whole(
+    shm_dir, monkeypatch
+):
+    # vLLM's forward pass waits for each layer right before reading it: layer 0 of every
+    # block is there while the others are still being copied, and each block is checked
+    # once its last layer landed, over what landed (a corrupt one is dropped)
+    import ucm.kernels.mover.layers as layers
+
+    gated = _GatedSums(layers.copy_sums)
+    monkeypatch.setattr(layers, "copy_sums", gated)
+    source, target = _caches("cpu", 1, 5), _caches("cpu", 1, 6)
+    before = [t.clone() for t in target.tensors]
+    nbytes = source.payload_nbytes()
+    keys = [bytes([60 + i]) * 16 for i in range(6)]
+    ids, into = [3, 7, 1, 20, 11, 5], [0, 2, 4, 6, 8, 10]
+    mover = Mover()
+    with _store("dram", None, shm_dir, nbytes) as store:
+        assert all(r.ok for r in mover.dump(Batch(source, ids, keys, store, b"t", nbytes)).wait(10))
+        flip_shared_block_byte(shm_dir, keys[2], offset=5)  # in its first layer
+        read = mover.start_layered_read(Batch(target, into, keys, store, b"t", nbytes))
+        assert read is not None and read.route is Route.IN_PLACE
+        assert read.layers.layers == len(target.tensors)
+        assert read.layers.wait_layer(0, 10)
+        assert not read.layers.wait_layer(1, 0.05) and not read.done()
+        for block, at in zip(ids, into):  # the first cache tensor is in, the next not yet
+            if block != 1:  # (the damaged one: its flipped byte landed too)
+                assert torch.equal(target.tensors[0][at], source.tensors[0][block])
+            assert torch.equal(target.tensors[1][at], before[1][at])
+        gated.gate.set()
+        assert all(read.layers.wait_layer(n, 10) for n in range(len(target.tensors)))
+        read.task.wait(10)
+        results = mover.settle_read(read)
+        assert [r.status for r in results] == [Status.OK] * 2 + [Status.CORRUPT] + [Status.OK] * 3
+        assert store.lookup(keys) == [True, True, False, True, True, True]  # dropped
+        mover.close()
+    for n, (got, src) in enumerate(zip(target.tensors, source.tensors)):
+        for block, at in zip(ids, into):
+            if block != 1 or n:  # the damaged block landed as stored, its byte flipped
+                assert torch.equal(got[at], src[block])
+
+
+def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(
+    shm_dir, monkeypatch
+):
+    import threading
+
+    import ucm.kernels.mover.layers as layers
+
+    gated = _GatedSums(layers.copy_sums)
+    monkeypatch.setattr(layers, "copy_sums", gated)
+    source, target = _caches("cpu", 1, 7), _caches("cpu", 1, 8)
+    before = [t.clone() for t in target.tensors]
+    nbytes = source.payload_nbytes()
+    keys = [bytes([70 + i]) * 16 for i in range(4)]
+    mover = Mover()
+    with _store("dram", None, shm_dir, nbytes) as store:
+        assert all(r.ok for r in mover.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes)).wait(10))
+        read = mover.start_layered_read(Batch(target, [4, 5, 6, 7], keys, store, b"t", nbytes))
+        assert read.layers.wait_layer(0, 10)
+        threading.Timer(0.2, gated.gate.set).start()  # the copy of layer 1 is under way
+        assert mover.stop_read(read, 5.0)  # quiet: the copy stopped before layer 2
+        assert mover.settle_read(read) == [None] * 4
+        assert gated.calls == 2
+        assert all(store.lookup(keys))  # the loans ended: the blocks are there to read again
+        mover.close()
+    for got, old in zip(target.tensors[2:], before[2:]):
+        assert torch.equal(got, old)
+
+
+def test_a_read_a_layer_at_a_time_needs_blocks_lent_unchecked_and_the_compiled_copy(
+    shm_dir, tmp_path, monkeypatch
+):
+    from ucm.core import digest
+
+    source = _caches("cpu", 1, 9)
+    nbytes = source.payload_nbytes()
+    keys = [bytes([80 + i]) * 16 for i in range(2)]
+    mover = Mover()
+    for kind in ("dram", "posix"):
+        with _store(kind, tmp_path, shm_dir, nbytes) as store:
+            assert all(r.ok for r in mover.dump(Batch(source, [0, 1], keys, store, b"t", nbytes)).wait(10))
+            batch = Batch(_caches("cpu", 1, 10), [2, 3], keys, store, b"t", nbytes)
+            if kind == "posix":  # lends nothing: the load is whole
+                assert mover.start_layered_read(batch) is None
+                continue
+            assert mover.start_layered_read(attrs.evolve(batch, caches=_caches("cpu", 4, 1))) is None  # gathered
+            with monkeypatch.context() as patch:
+                patch.setattr(digest, "_LIBRARY", None)
+                assert mover.start_layered_read(batch) is None
+            read = mover.start_layered_read(batch)  # lent, and given back when settled
+            read.task.wait(10)
+            assert all(r.ok for r in mover.settle_read(read))
+    mover.close()

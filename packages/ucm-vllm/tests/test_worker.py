@@ -739,3 +739,144 @@ def test_a_replicated_cache_is_written_once_across_ranks_and_read_by_every_rank(
         assert torch.equal(cache[71:135], latent[1:65]), rank  # all four, from both writers
         assert reader.stats.data["loaded_blocks"] == 4
         reader.shutdown()
+
+
+LAYERS2 = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+GROUP2 = GroupLayout(
+    index=0,
+    layer_names=LAYERS2,
+    engine_block_tokens=32,
+    kind="full",
+    replicated=False,
+    descriptor="test",
+)
+LAYOUT2 = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP2,))
+
+
+class _GatedSums:
+    """The mover's ``copy_sums``, its first layer at once and each later one once ``gate``
+    is set: a layered copy still running while the forward pass waits."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls > 1:
+            self.gate.wait(30)
+        return self.real(*args)
+
+
+def _two_layer_workers(shm_path, **kw):
+    """A worker that stored 4 blocks of a two-layer model in a dram store (its caches) and a
+    fresh worker on the same store, sync loads in place (its caches), and the blocks."""
+    from ucm.core.config import DramStoreConfig
+    from ucm.core.store import SharedMemoryStore
+
+    chain = block_keys(LAYOUT2.chain_namespace(None), list(range(128)), 32)
+    config = DramStoreConfig(path=shm_path, capacity_gb=0.01)
+
+    def worker(seed, **options):
+        side = WorkerSide(LAYOUT2, ConnectorStores(SharedMemoryStore(config), None), 1, **options)
+        torch.manual_seed(seed)
+        caches = {name: torch.randn(40, 2, 32, 128).to(torch.bfloat16) for name in LAYERS2}
+        side.register_kv_caches(caches)
+        return side, caches
+
+    writer, stored = worker(0)
+    written = [Item(0, k, chain[k], [1 + k]) for k in range(4)]
+    writer.wait_for_save(StepPlan(dumps=[Transfer("cold", written)]))
+    writer.shutdown()
+    reader, caches = worker(1, sync_loads=True, **kw)
+    assert reader.loads.in_place
+    loads = [Item(0, k, chain[k], [11 + k]) for k in range(4)]
+    return reader, caches, stored, writer.blocks.keys(written), loads
+
+
+def _step(worker: WorkerSide, loads: list[Item] | None, layers=LAYERS2) -> set[int]:
+    """One engine step as vLLM's model runner drives the worker: loads before the forward
+    pass, a wait for each attention layer's KV, the load errors after it."""
+    worker.start_load_kv(StepPlan(loads=[Transfer("warm", loads)] if loads else []))
+    for name in layers:
+        worker.wait_layer(name)
+    return worker.take_load_errors()
+
+
+def test_sync_loads_go_a_layer_at_a_time_once_vllm_is_seen_waiting_for_every_layer(
+    shm_path, monkeypatch
+):
+    # The forward pass starts as soon as the loads are under way and waits for each layer
+    # right before reading it; the blocks are checked once they all landed.  Only after a
+    # step in which vLLM waited for every layer: until then a load is whole.
+    import ucm.kernels.mover.layers as layers
+
+    reader, caches, stored, _, loads = _two_layer_workers(shm_path)
+    assert not reader.loads.layered
+    assert _step(reader, None) == set()  # a step of other requests: vLLM waits for both
+    assert reader.loads.layered
+    gated = _GatedSums(layers.copy_sums)
+    monkeypatch.setattr(layers, "copy_sums", gated)
+    first, second = (caches[name] for name in LAYERS2)
+    before = second.clone()
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))  # returns at once
+    reader.wait_layer(LAYERS2[0])
+    assert torch.equal(first[11:15], stored[LAYERS2[0]][1:5])
+    assert torch.equal(second, before)  # the second layer is still on its way
+    gated.gate.set()
+    reader.wait_layer(LAYERS2[1])
+    assert torch.equal(second[11:15], stored[LAYERS2[1]][1:5])
+    assert reader.take_load_errors() == set()
+    counts = reader.stats.take()
+    assert counts["layered_loads"] == 1 and counts["loaded_blocks"] == 4, counts
+    reader.shutdown()
+
+
+def test_a_layered_load_fails_where_a_block_is_corrupt_or_a_layer_was_not_waited_for(shm_path):
+    from ucm.lab.testing.core import flip_shared_block_byte
+
+    reader, caches, stored, keys, loads = _two_layer_workers(shm_path)
+    _step(reader, None)
+    flip_shared_block_byte(shm_path, keys[2])  # in its last layer
+    assert _step(reader, loads) == {13, 14}  # the corrupt block and the one after it
+    assert torch.equal(caches[LAYERS2[1]][11:13], stored[LAYERS2[1]][1:3])
+    counts = reader.stats.take()
+    assert counts["load_errors:corrupt"] == 1 and counts["load_errors:after_failed"] == 1
+    # a forward pass that reads a layer without waiting for it may have read it before it
+    # landed: every block of the load fails (vLLM recomputes them), and loads are whole again
+    assert _step(reader, loads[:2], layers=LAYERS2[:1]) == {11, 12}
+    assert reader.stats.take()["load_errors:not_awaited"] == 2
+    assert not reader.loads.layered
+    assert _step(reader, loads[:2]) == set()  # whole, and vLLM seen waiting again
+    assert reader.loads.layered
+    reader.shutdown()
+
+
+def test_a_layered_load_that_does_not_land_holds_the_forward_pass_for_a_bounded_time(
+    shm_path, monkeypatch
+):
+    # the layer a forward pass waits for never lands (a copy stalled): it waits until
+    # load_timeout_s, the copy stops, and the blocks fail
+    import ucm.kernels.mover.layers as layers
+
+    reader, caches, _, _, loads = _two_layer_workers(
+        shm_path, load_timeout_s=0.5, cancel_grace_s=5.0
+    )
+    _step(reader, None)
+    gated = _GatedSums(layers.copy_sums)
+    monkeypatch.setattr(layers, "copy_sums", gated)
+    threading.Timer(2.0, gated.gate.set).start()  # the stalled copy ends after 2 s
+    before = caches[LAYERS2[1]].clone()
+    started = time.monotonic()
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))
+    reader.wait_layer(LAYERS2[0])
+    reader.wait_layer(LAYERS2[1])  # 0.5 s for the layer, then up to 5 s for the copy to stop
+    assert time.monotonic() - started < 4
+    assert reader.take_load_errors() == {11, 12, 13, 14}
+    assert reader.stats.take()["load_errors:no_answer"] == 4
+    # the stalled copy stopped within cancel_grace_s, before the step ended: nothing writes
+    # the cache after it, and loads still read in place
+    assert reader.loads.in_place
+    assert torch.equal(caches[LAYERS2[1]][:11], before[:11])  # only the load's blocks written
+    reader.shutdown()

@@ -43,6 +43,7 @@ from ucm.core.threads import (
     parse_cpus,
     place_store_threads,
     spare_cpus,
+    store_pool,
 )
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "scoped_keys",
     "spare_cpus",
     "split_store_config",
+    "store_pool",
     "usable_hit",
     "verified_prefix",
     "wa_lookup_boundaries",

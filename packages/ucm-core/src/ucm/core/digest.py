@@ -25,6 +25,7 @@ signs its blocks (:mod:`ucm.core.signing`) and checks the MAC on the host instea
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +40,11 @@ _NUMPY_WORDS = 1 << 17
 
 #: the compiled library, None where the wheel has none (then numpy; tests set it None)
 _LIBRARY = NATIVE
+
+
+def compiled() -> bool:
+    """Whether digests are computed by the compiled library (else numpy, much slower)."""
+    return _LIBRARY is not None
 
 
 def finish(total: int, nbytes: int) -> int:
@@ -71,6 +77,34 @@ def words_sum(data: memoryview | bytes | bytearray, first: int = 0) -> int:
             term += (w << np.uint64(32)) | (w >> np.uint64(32))
             total += term.sum(dtype=np.uint64)
     return int(total)
+
+
+def copy_sums(dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    """Copy pieces of blocks (piece ``i``: ``lengths[i]`` bytes, whole words, from address
+    ``srcs[i]`` to address ``dsts[i]``; uint64 arrays) and sum each one's words where it
+    landed, its first word being word ``firsts[i]`` of its block's payload.
+
+    A block's pieces' sums add up to its payload's (:func:`finish` of the total is its
+    digest), so a load may copy every block a layer at a time and check each once its last
+    layer landed, over the very bytes the engine reads.  One compiled call, the GIL let go,
+    where the library is built; numpy otherwise."""
+    count = len(dsts)
+    if not (len(srcs) == len(lengths) == len(firsts) == count):
+        raise ValueError("copy_sums takes as many sources, lengths and first words as pieces")
+    if bool((lengths % 8).any()):
+        raise ValueError("copy_sums copies whole words: a piece's length is not a multiple of 8")
+    sums = np.zeros(count, np.uint64)
+    if not count:
+        return sums
+    if _LIBRARY is not None:
+        arrays = [np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, lengths, firsts)]
+        _LIBRARY.ucm_copy_sums(count, *(a.ctypes.data for a in arrays), sums.ctypes.data)
+        return sums
+    for i, (dst, src, n, first) in enumerate(zip(dsts, srcs, lengths, firsts)):
+        into = (ctypes.c_char * int(n)).from_address(int(dst))
+        ctypes.memmove(into, int(src), int(n))
+        sums[i] = words_sum(memoryview(into), int(first))
+    return sums
 
 
 class Digest:

@@ -156,6 +156,13 @@ class BlockSegments(Sequence[Segments]):
     def __len__(self) -> int:
         return len(self._rows)
 
+    def part_caches(self) -> list[int] | None:
+        """Per view of a block's payload, the cache tensor it lies in (the same for every
+        block); None where the payload has scale entries too."""
+        if self._scales:
+            return None
+        return [t for t, (_, _, places) in enumerate(self._data) for _ in places]
+
     @overload
     def __getitem__(self, index: int) -> Segments: ...
 

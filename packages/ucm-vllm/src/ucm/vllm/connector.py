@@ -222,7 +222,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # sync loads complete in start_load_kv, async ones before vLLM schedules
+        # sync loads read in place a layer at a time; the others complete in start_load_kv
+        # (sync) or before vLLM schedules their requests (async)
+        self._work().wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

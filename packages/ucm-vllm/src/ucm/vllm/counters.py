@@ -21,6 +21,7 @@ COUNTERS = {
     "loaded_bytes": "Bytes loaded from the store",
     "load_seconds": "Seconds spent loading (store read and scatter)",
     "load_errors": "Store blocks that failed to load, by cause (vLLM recomputes them)",
+    "layered_loads": "Sync loads copied a layer at a time beside the forward pass reading them",
     "dumped_blocks": "Store blocks written (or found already stored)",
     "dumped_bytes": "Bytes handed to the store for writing",
     "dump_seconds": "Seconds spent gathering blocks for dumps (the write itself is async)",
@@ -31,8 +32,9 @@ COUNTERS = {
 #: counters counted by cause -> the causes
 CAUSES = {
     # a store's result (miss, corrupt, error, cancelled), no answer within load_timeout_s
-    # or no store, a block after one that failed (a hit is a prefix), or an async load
-    # planned before vLLM reset its prefix cache
+    # or no store, a block after one that failed (a hit is a prefix), an async load
+    # planned before vLLM reset its prefix cache, or a layered load of a step in which vLLM
+    # did not wait for every layer
     "load_errors": (
         "miss",
         "corrupt",
@@ -41,6 +43,7 @@ CAUSES = {
         "no_answer",
         "after_failed",
         "reset",
+        "not_awaited",
     ),
     # a store's result, or the store refused the batch outright
     "dump_errors": ("error", "cancelled", "unavailable"),

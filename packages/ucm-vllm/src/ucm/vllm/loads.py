@@ -106,6 +106,13 @@ class Loads:
         # sync loads read straight into the cache (see on_caches): the store then writes
         # the engine's blocks, so only one whose reads stop at once when cancelled
         self.in_place = False
+        # ... and a layer at a time beside the forward pass, once vLLM was seen to wait for
+        # every layer's load (wait_layer) in a step: the group's layers by name, the layers
+        # waited for since the last step ended, and the loads copying (with their deadlines)
+        self.layer_index: dict[str, int] = {}
+        self.layered = False
+        self.awaited: set[int] = set()
+        self.pending: list[tuple[LoadJob, float]] = []
 
     def on_caches(self) -> None:
         """The caches are registered: decide whether sync loads read in place."""
@@ -116,6 +123,9 @@ class Loads:
             and self.stores is not None
             and self.stores.full.reads_from_memory
         )
+        if self.in_place:
+            group = self.blocks.layout.stored_groups[0]
+            self.layer_index = {name: i for i, name in enumerate(group.layer_names)}
 
     def start(self, transfers: list[Transfer]) -> None:
         """Async loads start; sync ones run to the end (scattered, or load errors)."""
@@ -126,30 +136,80 @@ class Loads:
         if not transfers:
             return
         deadline = time.monotonic() + self.timeout_s
+        if self.layered:
+            whole = []
+            for transfer in transfers:
+                job = self._submit_layered(transfer)
+                if job is None:
+                    whole.append(transfer)
+                else:
+                    self.pending.append((job, deadline))
+            transfers = whole
         pieces = [p for t in transfers for p in self._pieces(t)]
         failed: set[str] = set()  # requests with a failed block: nothing after it is used
         ahead = [self._submit(p) for p in pieces[: self.depth]]
         for i in range(len(pieces)):
             job = ahead.pop(0)
-            for _, read in job.batches:
-                if read.task is not None:
-                    try:
-                        read.task.wait(max(0.0, deadline - time.monotonic()))
-                    except TimeoutError:
-                        pass
-            if not job.done():
-                log.warning(
-                    "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
-                    job.transfer.req_id,
-                    self.timeout_s,
-                )
-                self._stop_late(job)
+            self._wait(job, deadline)
             if job.transfer.req_id in failed:
                 job.failed = "after_failed"
             if not self._finish(job) and not job.failed:
                 failed.add(job.transfer.req_id)
             if i + self.depth < len(pieces):  # into the rows this piece gave back
                 ahead.append(self._submit(pieces[i + self.depth]))
+
+    def wait_layer(self, name: str) -> None:
+        """vLLM's forward pass is about to read layer ``name``: wait until the layered loads
+        of the step copied it (until their deadline: then they fail, and vLLM discards what
+        the step computed from them)."""
+        layer = self.layer_index.get(name)
+        if layer is None:
+            return
+        self.awaited.add(layer)
+        for job, deadline in self.pending:
+            if job.failed:
+                continue
+            for _, read in job.batches:
+                assert read.layers is not None
+                if read.layers.wait_layer(layer, deadline - time.monotonic()) or read.done():
+                    continue  # landed, or the copy ended without it (its results say why)
+                log.warning(
+                    "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
+                    job.transfer.req_id,
+                    self.timeout_s,
+                )
+                job.failed = "no_answer"
+                self._stop_late(job)
+                break
+
+    def end_step(self) -> None:
+        """The step's forward pass ended: its layered loads are checked and settled (a
+        load any of whose layers vLLM did not wait for fails: the forward pass may have read
+        it before it landed), and whether vLLM waits for every layer is learned."""
+        every = set(self.layer_index.values())
+        seen, self.awaited = self.awaited, set()
+        pending, self.pending = self.pending, []
+        waited = bool(every) and seen >= every
+        self.stats.add(layered_loads=len(pending))
+        for job, deadline in pending:
+            if not job.failed and not waited:
+                job.failed = "not_awaited"
+            self._wait(job, deadline)
+            self._finish(job)
+        if pending and not waited:
+            self.layered = False
+            log.warning("ucm: vLLM did not wait for every layer's load: loads are whole again")
+        elif waited and self.in_place and not self.layered and not pending:
+            self.layered = True
+            log.info("ucm: sync loads go a layer at a time, beside the forward pass")
+
+    def stop_pending(self, why: str) -> None:
+        """Layered loads stop now (the caches are going away), and fail."""
+        pending, self.pending = self.pending, []
+        for job, _ in pending:
+            job.failed = job.failed or why
+            self._stop_late(job)
+            self._finish(job)
 
     def fail(self, req_ids: list[str] | None = None, why: str = "reset") -> None:
         """Async loads (``req_ids``, or all) whose reads must not be used: planned before
@@ -202,6 +262,24 @@ class Loads:
         # report failed requests (failed_recving) instead.
         return errors if self.single_group else set()
 
+    def _wait(self, job: LoadJob, deadline: float) -> None:
+        """Wait for a sync load until ``deadline``; stop it if it is late (or failed)."""
+        for _, read in job.batches:
+            if read.task is not None and not job.failed:
+                try:
+                    read.task.wait(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    pass
+        if job.failed:
+            self._stop_late(job)
+        elif not job.done():
+            log.warning(
+                "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
+                job.transfer.req_id,
+                self.timeout_s,
+            )
+            self._stop_late(job)
+
     def _stop_late(self, job: LoadJob) -> None:
         """Stop the reads of a late load.  Reads into rows or out of lent blocks are left
         (the rows go back once the store lets go of them); reads into the engine's blocks
@@ -237,6 +315,24 @@ class Loads:
             pieces[-1].items.append(item)
             size += self.blocks.item_bytes(item)
         return pieces
+
+    def _submit_layered(self, transfer: Transfer) -> LoadJob | None:
+        """The mover's layered reads of ``transfer`` (see :meth:`wait_layer`), or None where
+        a batch cannot be read so (then the whole load)."""
+        job = LoadJob(transfer, [], time.perf_counter())
+        if self.stores is None:
+            return None
+        items, stores = transfer.items, self.stores
+        batches = positions(items, lambda it: (stores.of(self.blocks.group(it)), shape(it)))
+        for (store, (group, _)), where in batches.items():
+            batch = self.blocks.batch(store, group, [items[p] for p in where])
+            read = self.mover.start_layered_read(batch)
+            if read is None:
+                for _, started in job.batches:
+                    self.mover.stop_read(started, self.grace_s)
+                return None
+            job.batches.append((where, read))
+        return job
 
     def _submit(self, transfer: Transfer) -> LoadJob:
         """The mover's reads of ``transfer``, one a store and payload size."""
@@ -281,10 +377,12 @@ class Loads:
             for item, used in zip(items, use):
                 if not used:
                     self.error_blocks.update(b for b in item.block_ids if b != NULL_BLOCK)
+        # until the last copy ended (a layered load is settled after the forward pass)
+        ended = [r.layers.ended for _, r in job.batches if r.layers is not None]
         self.stats.add(
             loaded_blocks=use.count(True),
             loaded_bytes=sum(self.blocks.item_bytes(it) for it, u in zip(items, use) if u),
-            load_seconds=time.perf_counter() - job.started,
+            load_seconds=(max(ended) if ended and all(ended) else time.perf_counter()) - job.started,
         )
         for result, used in zip(results, use):
             if not used:
@@ -299,6 +397,7 @@ class Loads:
 
 _FAILED = {
     "no_answer": "no answer within load_timeout_s",
+    "not_awaited": "vLLM did not wait for every layer's load",
     "after_failed": "an earlier block failed",
     "reset": "planned before a reset of the prefix cache",
 }

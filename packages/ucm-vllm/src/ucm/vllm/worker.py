@@ -122,6 +122,10 @@ class WorkerSide:
             self._reset(meta)
         self.loads.start(meta.loads)
 
+    def wait_layer(self, layer_name: str) -> None:
+        """The forward pass is about to read ``layer_name``'s KV."""
+        self.loads.wait_layer(layer_name)
+
     def _reset(self, meta: StepPlan) -> None:
         """vLLM reset its prefix cache with ours since the last step: loads planned before
         fail; with ``on_reset: remove``, what this rank stored since it started (or last
@@ -221,12 +225,17 @@ class WorkerSide:
         """vLLM is about to free or offload the KV cache (sleep): no load in flight may
         scatter into it any more (they fail; vLLM recomputes them).  Dumps gathered their
         blocks in the step that planned them, so none reads the cache after."""
+        self.loads.stop_pending("reset")
         self.loads.fail(None)
 
     def take_load_errors(self) -> set[int]:
+        """The engine blocks that failed to load since the last call: asked once the
+        step's forward pass ended, which settles the step's layered loads."""
+        self.loads.end_step()
         return self.loads.take_errors()
 
     def shutdown(self) -> None:
+        self.loads.stop_pending("reset")
         self.tracker.flush_all(timeout=10.0)
         self.mover.close()  # before the stores unmap their memory
         if self.stores is not None:

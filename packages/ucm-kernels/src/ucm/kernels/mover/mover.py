@@ -36,10 +36,12 @@ from typing import Any
 
 import attrs
 import torch
-from ucm.core import KeyResult, SlotReads, SlotWrites, Status, Store, Task
+from ucm.core import KeyResult, SlotReads, SlotWrites, Status, Store, Task, store_pool
+from ucm.core.digest import compiled
 
 from ucm.kernels.digest import unsigned
 from ucm.kernels.mover.caches import Caches
+from ucm.kernels.mover.layers import LayeredCopy, plan_layers
 from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 from ucm.kernels.pinning import PinnedRegions, dump_into
@@ -104,17 +106,18 @@ class Read:
     route: Route
     task: Task | None  # None: the store could not start them (every result None)
     rows: list[torch.Tensor] = attrs.Factory(list)  # ROWS: one a block
-    lent: SlotReads | None = None  # STORE_MEMORY: the blocks the store lends
+    lent: SlotReads | None = None  # STORE_MEMORY or layered: the blocks the store lends
     stopped: bool = False  # cancelled before it was settled (Mover.stop_read)
+    layers: LayeredCopy | None = None  # copied in place a layer at a time (layered)
 
     def done(self) -> bool:
         return self.task is None or self.task.done()
 
     def results(self) -> list[KeyResult | None]:
         """One a block; None where none came (the store was unavailable, or not done) or
-        none counts: stopped, the blocks read into rows or lent are given up (read in place,
-        those that landed before the stop are in the caches)."""
-        gone = self.stopped and self.route is not Route.IN_PLACE
+        none counts: stopped, the blocks read into rows or lent are given up (read in place
+        by the store, those that landed before the stop are in the caches)."""
+        gone = self.stopped and (self.route is not Route.IN_PLACE or self.layers is not None)
         if self.task is None or not self.task.done() or gone:
             return [None] * len(self.batch)
         return list(self.task.wait(0))
@@ -186,10 +189,13 @@ class Mover:
         self._stores_seen: set[int] = set()  # stores whose memory was offered to the driver
         self._refused = False  # the driver or a copy refused the stores' memory: rows
         self._stagers = threading.local()  # a side stream per thread on a GPU
+        self._copier: Any = None  # the thread of layered reads, started with the first
 
     def close(self) -> None:
         """Unregister the stores' memory from the GPU's driver (before the stores unmap
-        it)."""
+        it); layered copies end first."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)  # each ends within a layer's copy once stopped
         with self._pinning:
             self.pinned.close()
 
@@ -423,11 +429,42 @@ class Mover:
             read.rows = []
         return read
 
+    def start_layered_read(self, batch: Batch) -> Read | None:
+        """Submit the batch's loads straight into its cache blocks a cache tensor at a time
+        (:mod:`ucm.kernels.mover.layers`), on the mover's thread: ``read.layers`` says when
+        each one landed.  The caller keeps the blocks until the read is settled or stopped.
+        None where the batch cannot be (then :meth:`start_read`)."""
+        if not compiled() or self._refused or not self.settings.zero_copy:
+            return None
+        route, segments = self.route(batch, cache_lent=True)
+        part_caches = None if segments is None else segments.part_caches()
+        if route is not Route.IN_PLACE or segments is None or part_caches is None:
+            return None
+        try:
+            lent = batch.store.open_reads(list(batch.keys), batch.nbytes, batch.tag, check=False)
+        except Exception as exc:  # noqa: BLE001 - the whole load reports the store
+            log.debug("ucm: no blocks lent in place (%s)", exc)
+            return None
+        if lent is None:
+            return None
+        copy = None
+        if lent.digests is not None and lent.task.done():  # else checked by the store
+            copy = plan_layers(segments, part_caches, lent, batch.nbytes, BAD_DIGEST)
+        if copy is None:
+            lent.release()
+            return None
+        if self._copier is None:
+            self._copier = store_pool(1, "ucm-layers")  # beside the store's threads
+        self._copier.submit(copy.run)
+        return Read(batch, Route.IN_PLACE, copy.task, lent=lent, layers=copy)
+
     def settle_read(self, read: Read) -> list[KeyResult | None]:
         """The batch's results once its loads ended (or timed out: None); blocks the store
         lends are copied out, the checked ones, and given back, and a block whose loan ran
         out first is a failure."""
         results = read.results()
+        if read.layers is not None:
+            return self._settle_layers(read, results)
         if read.lent is None:
             return results
         lent, read.lent = read.lent, None
@@ -442,6 +479,24 @@ class Mover:
                         results[i] = BAD_DIGEST
         finally:  # every loan ends, whatever happened
             held = lent.release()
+        return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]
+
+    def _settle_layers(
+        self, read: Read, results: list[KeyResult | None]
+    ) -> list[KeyResult | None]:
+        """A layered read's blocks given back once copied: those that failed their digest
+        dropped from the store, those whose loan ran out first failures."""
+        lent, read.lent = read.lent, None
+        if lent is None:  # given back when it was stopped
+            return results
+        bad = [i for i, r in enumerate(results) if r is BAD_DIGEST]
+        if bad:
+            log.warning("ucm: %d blocks lent by the store fail their digest: dropped", len(bad))
+            lent.drop(bad)
+        if not read.done():  # never ended: nothing of it counts, the loans end with it
+            read.task.add_done_callback(lambda _task: lent.release())  # type: ignore[union-attr]
+            return [None] * len(read.batch)
+        held = lent.release()
         return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]
 
     def complete_read(self, read: Read, use: Sequence[bool]) -> None:
@@ -469,8 +524,11 @@ class Mover:
         quiet = read.task is None or read.task.cancel(wait=grace_s)
         read.stopped = True
         if read.lent is not None:  # given back once their checks end
-            read.lent.release()
-            read.lent = None
+            lent, read.lent = read.lent, None
+            if quiet or read.layers is None:
+                lent.release()
+            else:  # our copy out of them still runs: given back once it ends
+                read.task.add_done_callback(lambda _task: lent.release())  # type: ignore[union-attr]
         rows, read.rows = read.rows, []
         if rows:
             if quiet or read.task is None:
