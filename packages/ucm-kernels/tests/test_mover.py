@@ -353,9 +353,7 @@ def test_a_read_a_layer_at_a_time_lands_layer_by_layer_and_is_checked_once_whole
                 assert torch.equal(got[at], src[block])
 
 
-def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(
-    shm_dir, monkeypatch
-):
+def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(shm_dir, monkeypatch):
     import threading
 
     import ucm.kernels.mover.layers as layers
@@ -368,7 +366,8 @@ def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(
     keys = [bytes([70 + i]) * 16 for i in range(4)]
     mover = Mover()
     with _store("dram", None, shm_dir, nbytes) as store:
-        assert all(r.ok for r in mover.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes)).wait(10))
+        dumped = mover.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes))
+        assert all(r.ok for r in dumped.wait(10))
         read = mover.start_layered_read(Batch(target, [4, 5, 6, 7], keys, store, b"t", nbytes))
         assert read.layers.wait_layer(0, 10)
         threading.Timer(0.2, gated.gate.set).start()  # the copy of layer 1 is under way
@@ -392,12 +391,14 @@ def test_a_read_a_layer_at_a_time_needs_blocks_lent_unchecked_and_the_compiled_c
     mover = Mover()
     for kind in ("dram", "posix"):
         with _store(kind, tmp_path, shm_dir, nbytes) as store:
-            assert all(r.ok for r in mover.dump(Batch(source, [0, 1], keys, store, b"t", nbytes)).wait(10))
+            dumped = mover.dump(Batch(source, [0, 1], keys, store, b"t", nbytes))
+            assert all(r.ok for r in dumped.wait(10))
             batch = Batch(_caches("cpu", 1, 10), [2, 3], keys, store, b"t", nbytes)
             if kind == "posix":  # lends nothing: the load is whole
                 assert mover.start_layered_read(batch) is None
                 continue
-            assert mover.start_layered_read(attrs.evolve(batch, caches=_caches("cpu", 4, 1))) is None  # gathered
+            gathered = attrs.evolve(batch, caches=_caches("cpu", 4, 1))  # blocks not runs
+            assert mover.start_layered_read(gathered) is None
             with monkeypatch.context() as patch:
                 patch.setattr(digest, "_LIBRARY", None)
                 assert mover.start_layered_read(batch) is None

@@ -122,14 +122,17 @@ def test_loads_straight_into_the_cache_match_and_a_corrupt_block_is_recomputed(
     reference, tiny_model, prompts, shm_dir
 ):
     # A dram store with one engine block per stored block: sync loads read into vLLM's CPU
-    # cache itself.  A block that fails its checksum has already written the engine block:
-    # vLLM must recompute it and everything after it, and the outputs stay the reference's.
+    # cache itself, a layer at a time beside the forward pass once vLLM was seen waiting for
+    # every layer (from the second request on).  A block that fails its checksum has
+    # already written the engine block: vLLM must recompute it and everything after it, and
+    # the outputs stay the reference's.
     store = {"kind": "dram", "path": str(shm_dir), "capacity_gb": 0.03125}
     spec = {"model": tiny_model, "prompts": prompts, "store": store, "extra": {"block_tokens": 32}}
     assert_same_outputs(reference, run_engine(spec))
     warm = run_engine(spec)
     assert_same_outputs(reference, warm)
     assert warm["metrics"]["vllm:ucm_loaded_blocks"] >= 30
+    assert warm["metrics"]["vllm:ucm_layered_loads"] == len(prompts) - 1
     assert warm["metrics"].get("vllm:ucm_load_errors", 0) == 0
     assert flip_shared_bytes(shm_dir, every=7) >= 1  # one payload byte of every 7th block
     damaged = run_engine(spec)

@@ -79,7 +79,9 @@ def words_sum(data: memoryview | bytes | bytearray, first: int = 0) -> int:
     return int(total)
 
 
-def copy_sums(dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+def copy_sums(
+    dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray, firsts: np.ndarray
+) -> np.ndarray:
     """Copy pieces of blocks (piece ``i``: ``lengths[i]`` bytes, whole words, from address
     ``srcs[i]`` to address ``dsts[i]``; uint64 arrays) and sum each one's words where it
     landed, its first word being word ``firsts[i]`` of its block's payload.

@@ -196,9 +196,9 @@ class Loads:
                 job.failed = "not_awaited"
             self._wait(job, deadline)
             self._finish(job)
-        if pending and not waited:
-            self.layered = False
-            log.warning("ucm: vLLM did not wait for every layer's load: loads are whole again")
+        if pending and not waited:  # for good: each such step would be recomputed
+            self.layered, self.layer_index = False, {}
+            log.warning("ucm: vLLM did not wait for every layer's load: loads are whole now on")
         elif waited and self.in_place and not self.layered and not pending:
             self.layered = True
             log.info("ucm: sync loads go a layer at a time, beside the forward pass")
@@ -379,10 +379,11 @@ class Loads:
                     self.error_blocks.update(b for b in item.block_ids if b != NULL_BLOCK)
         # until the last copy ended (a layered load is settled after the forward pass)
         ended = [r.layers.ended for _, r in job.batches if r.layers is not None]
+        end = max(ended) if ended and all(ended) else time.perf_counter()
         self.stats.add(
             loaded_blocks=use.count(True),
             loaded_bytes=sum(self.blocks.item_bytes(it) for it, u in zip(items, use) if u),
-            load_seconds=(max(ended) if ended and all(ended) else time.perf_counter()) - job.started,
+            load_seconds=end - job.started,
         )
         for result, used in zip(results, use):
             if not used:

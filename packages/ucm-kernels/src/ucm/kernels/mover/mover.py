@@ -481,9 +481,7 @@ class Mover:
             held = lent.release()
         return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]
 
-    def _settle_layers(
-        self, read: Read, results: list[KeyResult | None]
-    ) -> list[KeyResult | None]:
+    def _settle_layers(self, read: Read, results: list[KeyResult | None]) -> list[KeyResult | None]:
         """A layered read's blocks given back once copied: those that failed their digest
         dropped from the store, those whose loan ran out first failures."""
         lent, read.lent = read.lent, None
