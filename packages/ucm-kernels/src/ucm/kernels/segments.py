@@ -20,7 +20,9 @@ import math
 from collections.abc import Sequence
 from typing import overload
 
+import numpy as np
 import torch
+from ucm.core import address_of
 
 from ucm.kernels.spec import PayloadLayout, make_layout
 from ucm.kernels.validate import (
@@ -162,6 +164,19 @@ class BlockSegments(Sequence[Segments]):
         if self._scales:
             return None
         return [t for t, (_, _, places) in enumerate(self._data) for _ in places]
+
+    def part_addresses(self) -> tuple[np.ndarray, np.ndarray]:
+        """Where each view of every block's payload starts in memory (uint64, ``[blocks,
+        views]``) and each view's length (uint64, ``[views]``): the views of
+        :meth:`part_caches`, without making them (a compiled copy takes addresses)."""
+        rows = np.array(self._rows, np.uint64).reshape(len(self._rows), -1)
+        starts, lengths = [], []
+        for flat, step, places in self._data:
+            base = address_of(flat)
+            for j, (off, n) in enumerate(places):
+                starts.append(base + off + rows[:, j] * np.uint64(step))
+                lengths.append(n)
+        return np.stack(starts, axis=1), np.array(lengths, np.uint64)
 
     @overload
     def __getitem__(self, index: int) -> Segments: ...

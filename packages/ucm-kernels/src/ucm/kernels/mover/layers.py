@@ -122,22 +122,27 @@ def plan_layers(
     assert lent.digests is not None
     results = lent.task.wait(0)
     copied = [i for i, r in enumerate(results) if r.ok and lent.views[i] is not None]
+    starts, lengths = segments.part_addresses()
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
+    if bool((lengths % 8).any()) or int(lengths.sum()) != nbytes:
+        return None
+    slots = np.array([address_of(lent.views[i]) for i in copied], np.uint64)  # type: ignore[arg-type]
+    places = np.arange(len(copied), dtype=np.intp)
+    caches = np.asarray(part_caches)
+    pieces = []
+    for cache in range(int(caches.max()) + 1):
+        cols = np.flatnonzero(caches == cache)
+        pieces.append(
+            _Pieces(
+                dsts=starts[copied][:, cols].ravel(),
+                srcs=(slots[:, None] + offsets[cols]).ravel(),
+                lengths=np.tile(lengths[cols], len(copied)),
+                firsts=np.tile(offsets[cols] // np.uint64(8), len(copied)),
+                blocks=np.repeat(places, len(cols)),
+            )
+        )
     task = Task(len(results))
     settled = sorted(set(range(len(results))) - set(copied))
-    layers: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(max(part_caches) + 1)]
-    for place, i in enumerate(copied):
-        parts = segments[i]
-        src = address_of(lent.views[i])  # type: ignore[arg-type]
-        at = 0
-        for part, cache in zip(parts, part_caches):
-            if part.nbytes % 8 or at % 8:
-                return None
-            layers[cache].append((address_of(part), src + at, part.nbytes, at // 8, place))
-            at += part.nbytes
-    pieces = []
-    for rows in layers:
-        table = np.array(rows, np.uint64).reshape(-1, 5).T
-        pieces.append(_Pieces(*table[:4], table[4].astype(np.intp)))
     task.set_results(settled, [results[i] for i in settled])
     expected = [int(lent.digests[i]) for i in copied]  # type: ignore[arg-type]
     return LayeredCopy(task, pieces, copied, expected, nbytes, bad_digest)
