@@ -880,3 +880,14 @@ def test_a_layered_load_that_does_not_land_holds_the_forward_pass_for_a_bounded_
     assert reader.loads.in_place
     assert torch.equal(caches[LAYERS2[1]][:11], before[:11])  # only the load's blocks written
     reader.shutdown()
+
+
+def test_with_layer_wise_loads_off_a_load_ends_before_the_forward_pass(shm_path):
+    reader, caches, stored, _, loads = _two_layer_workers(shm_path, layer_wise=False)
+    assert _step(reader, None) == set() and not reader.loads.layered
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))
+    for name in LAYERS2:  # every layer is in before the forward pass waits for any
+        assert torch.equal(caches[name][11:15], stored[name][1:5])
+    assert _step(reader, None) == set()
+    assert reader.stats.take()["layered_loads"] == 0
+    reader.shutdown()

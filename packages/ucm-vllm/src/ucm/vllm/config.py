@@ -111,6 +111,17 @@ class ConnectorConfig:
         default=10.0,
         validator=positive_number,
     )
+    layer_wise_loads: bool = setting(
+        "Sync loads straight into a CPU cache (from a ``dram`` store, or a ``tiered`` one "
+        "whose memory holds the blocks) go a layer at a time: the forward pass starts while "
+        "they are under way and waits for each layer's KV right before reading it (vLLM's "
+        "``wait_for_layer_load``). Each block is checked once its last layer landed; one "
+        "that fails makes vLLM discard what the step computed from it and recompute it. "
+        "Used once vLLM was seen waiting for every layer; false: every load ends before "
+        "the forward pass starts.",
+        default=True,
+        validator=boolean,
+    )
     zero_copy: bool = zero_copy_setting()
     digests_on_gpu: bool = digests_on_gpu_setting()
     pipeline_chunk_mb: int = pipeline_chunk_mb_setting(16)

@@ -128,6 +128,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                 len(kv_cache_config.kv_cache_groups),
                 sync_loads=sync,
                 load_timeout_s=self.config.load_timeout_s,
+                layer_wise=self.config.layer_wise_loads,
                 staging_bytes=self.config.staging_mib << 20,
                 report_blocks=self.events_on,
                 zero_copy=self.config.zero_copy,

@@ -88,6 +88,7 @@ class Loads:
         sync: bool,
         single_group: bool,
         timeout_s: float,
+        layer_wise: bool = True,
     ) -> None:
         self.blocks = blocks
         self.stores = stores
@@ -109,6 +110,7 @@ class Loads:
         # ... and a layer at a time beside the forward pass, once vLLM was seen to wait for
         # every layer's load (wait_layer) in a step: the group's layers by name, the layers
         # waited for since the last step ended, and the loads copying (with their deadlines)
+        self.layer_wise = layer_wise  # the setting (layer_wise_loads)
         self.layer_index: dict[str, int] = {}
         self.layered = False
         self.awaited: set[int] = set()
@@ -123,7 +125,7 @@ class Loads:
             and self.stores is not None
             and self.stores.full.reads_from_memory
         )
-        if self.in_place:
+        if self.in_place and self.layer_wise:
             group = self.blocks.layout.stored_groups[0]
             self.layer_index = {name: i for i, name in enumerate(group.layer_names)}
 

@@ -50,6 +50,7 @@ class WorkerSide:
         num_groups: int,
         sync_loads: bool = False,
         load_timeout_s: float = 10.0,
+        layer_wise: bool = True,
         staging_bytes: int = 128 << 20,
         report_blocks: bool = False,
         zero_copy: bool = True,
@@ -85,6 +86,7 @@ class WorkerSide:
             sync=sync_loads,
             single_group=num_groups == 1,
             timeout_s=load_timeout_s,
+            layer_wise=layer_wise,
         )
         self.tracker = DumpTracker()
         self.delayed: list[str] = []
