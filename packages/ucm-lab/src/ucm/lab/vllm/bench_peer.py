@@ -457,6 +457,18 @@ def _warm_up(bench: Bench, server: ServeProcess) -> None:
             bench.client(server, length, 1, Path(bench.work, "warm-up.json"), warm)
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` of ``--ucm-setting``: the value as JSON where it parses, else a
+    string."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
 def _csv_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -482,10 +494,17 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
     p.add_argument("--block-tokens", type=int, default=BLOCK_SIZE, help="UCM's block_tokens")
     p.add_argument("--lmcache-chunk-tokens", type=int, default=BLOCK_SIZE)
     p.add_argument("--store-cpus", default="spare", help="UCM's store_cpus")
+    p.add_argument(
+        "--ucm-setting", dest="ucm_settings", action="append", type=_setting, default=[],
+        metavar="NAME=VALUE",
+        help="another of UCM's settings, its value in JSON (or a string), for every UCM "
+        "system: --ucm-setting layer_wise_loads=false",
+    )  # fmt: skip
     p.add_argument("--lmcache-python", default=None,
                    help="the interpreter of an environment with LMCache")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
+    args.ucm_settings = dict(args.ucm_settings)
     names = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(names) - set(SYSTEMS))
     if unknown:
@@ -499,6 +518,7 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
         "rounds": args.rounds,
         "dtype": torch_dtype, "model": MODEL, "block_size": BLOCK_SIZE,
         "ucm_block_tokens": args.block_tokens, "lmcache_chunk_tokens": args.lmcache_chunk_tokens,
+        "ucm_settings": args.ucm_settings,
         "systems": names, "machine": machine(),
         "cpu": sorted(flags & {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
         "kv_space_gib": kv_space_gib(MODEL, torch_dtype, tokens),

@@ -111,17 +111,20 @@ def make_system(
     chunk_tokens: int,
     lmcache_python: str | None = None,
     store_cpus: str = "spare",
+    ucm_settings: Mapping[str, Any] | None = None,
 ) -> System:
     """``name``'s system, its files under ``work``; ``block_tokens``: UCM's stored block,
     ``chunk_tokens``: LMCache's chunk, in tokens (each store's hits come in these);
-    ``store_cpus``: where UCM's store threads run."""
+    ``store_cpus``: where UCM's store threads run; ``ucm_settings``: more of UCM's
+    settings (``kv_connector_extra_config``)."""
     if name == "vllm":
         return System(name, [])
     if name == "vllm-floor":
         return System(name, [], floor=True)
     if name.startswith("ucm-"):
         store = _ucm_store(name[len("ucm-") :], work)
-        config = connector_config(store, {"block_tokens": block_tokens, "store_cpus": store_cpus})
+        settings = {"block_tokens": block_tokens, "store_cpus": store_cpus, **(ucm_settings or {})}
+        config = connector_config(store, settings)
         return System(name, ["--kv-transfer-config", config])
     if name == "lmcache":
         if lmcache_python is None:
@@ -147,15 +150,15 @@ def run_each(
     names: Sequence[str], work: str, args: Any, run: Callable[[System], dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
     """Each system of ``names`` made (``make_system`` with ``args``' block_tokens,
-    lmcache_chunk_tokens, lmcache_python and store_cpus) and run by ``run``, in order: name
-    -> its result, or why it was refused."""
+    lmcache_chunk_tokens, lmcache_python, store_cpus and ucm_settings where it has them)
+    and run by ``run``, in order: name -> its result, or why it was refused."""
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         print(f"[{name}]", file=sys.stderr)
         try:
             system = make_system(
                 name, work, args.block_tokens, args.lmcache_chunk_tokens, args.lmcache_python,
-                args.store_cpus,
+                args.store_cpus, getattr(args, "ucm_settings", None),
             )  # fmt: skip
         except ValueError as exc:
             results[name] = {"system": name, "refused": str(exc)}
