@@ -108,25 +108,31 @@ __attribute__((visibility("default"))) uint64_t ucm_move_sealed(
     return count;
 }
 
-/* Copy ``count`` pieces of blocks, piece i ``lengths[i]`` bytes (whole words) from
- * ``srcs[i]`` to ``dsts[i]``, and sum the words of each where it landed, its first word
- * being word ``firsts[i]`` of its block's payload: ``sums[i]``.  A block's pieces' sums add
- * up to its payload's (digest.h), so a load may copy a block a layer at a time, each layer
- * of every block before the next, and check the block once its last layer landed: the check
- * covers the bytes the engine reads, as OUT_OF_SLOT's does.  Returns the pieces copied. */
-__attribute__((visibility("default"))) uint64_t ucm_copy_sums(
-    uint64_t count, const uint64_t *dsts, const uint64_t *srcs, const uint64_t *lengths,
-    const uint64_t *firsts, uint64_t *sums) {
-    for (uint64_t i = 0; i < count; i++) {
-        uint8_t *dst = (uint8_t *)(uintptr_t)dsts[i];
-        const uint8_t *src = (const uint8_t *)(uintptr_t)srcs[i];
-        uint64_t n = lengths[i], sum = 0;
-        for (uint64_t off = 0; off < n; off += PIECE) {
-            size_t m = (size_t)(n - off < PIECE ? n - off : PIECE);
-            memcpy(dst + off, src + off, m);
-            sum += ucm_digest_sum(dst + off, m / 8, firsts[i] + off / 8);
+/* Copy one layer of ``nblocks`` lent blocks into an engine's cache and sum what landed.
+ * Block b lies at ``slots[b]``; its payload is ``nparts`` parts, part p at offset
+ * ``offsets[p]`` of the payload, ``lengths[p]`` bytes (whole words), landing at
+ * ``dsts[b * nparts + p]``.  Parts ``first`` to ``end - 1`` of every block are copied (a
+ * layer's), and the sum of each one's words where it landed, the first being word
+ * ``offsets[p] / 8`` of its payload, is added to ``sums[b]``.  A block's parts' sums add up
+ * to its payload's (digest.h), so a load may copy every block a layer at a time and check
+ * each once its last layer landed, over the very bytes the engine reads (as OUT_OF_SLOT
+ * does).  Returns the parts copied. */
+__attribute__((visibility("default"))) uint64_t ucm_copy_layer(
+    uint64_t nblocks, uint64_t nparts, const uint64_t *dsts, const uint64_t *slots,
+    const uint64_t *offsets, const uint64_t *lengths, uint64_t first, uint64_t end,
+    uint64_t *sums) {
+    for (uint64_t b = 0; b < nblocks; b++) {
+        for (uint64_t p = first; p < end; p++) {
+            uint8_t *dst = (uint8_t *)(uintptr_t)dsts[b * nparts + p];
+            const uint8_t *src = (const uint8_t *)(uintptr_t)(slots[b] + offsets[p]);
+            uint64_t n = lengths[p], sum = 0;
+            for (uint64_t off = 0; off < n; off += PIECE) {
+                size_t m = (size_t)(n - off < PIECE ? n - off : PIECE);
+                memcpy(dst + off, src + off, m);
+                sum += ucm_digest_sum(dst + off, m / 8, offsets[p] / 8 + off / 8);
+            }
+            sums[b] += sum;
         }
-        sums[i] = sum;
     }
-    return count;
+    return nblocks * (end - first);
 }

@@ -65,30 +65,27 @@ def test_pieces_sum_on_their_own_and_add_up_to_the_whole(way):
 
 
 def test_blocks_copied_a_layer_at_a_time_sum_to_their_digests_where_they_landed(way):
-    # a layered load: the first layer's part of every block, then the second's; each part's
-    # sum is of the bytes where they landed, and a block's parts add up to its digest
+    # a layered load: the first layer's parts of every block, then the second's; each
+    # part's sum is of the bytes where they landed, and a block's parts add up to its digest
     rng = np.random.default_rng(8)
-    parts = [8 * 7, 8 * 4096, 8 * 2500 + 8 * 2048]  # a block's layers (the last > a piece)
-    blocks = [rng.integers(0, 256, sum(parts), np.uint8) for _ in range(3)]
-    landed = [np.zeros(sum(parts), np.uint8) for _ in blocks]
-    offsets = np.cumsum([0, *parts])
-    totals = [0] * len(blocks)
-    for layer in reversed(range(len(parts))):  # in any order
-        at, n = int(offsets[layer]), parts[layer]
-        sums = digest.copy_sums(
-            np.array([dst.ctypes.data + at for dst in landed], np.uint64),
-            np.array([src.ctypes.data + at for src in blocks], np.uint64),
-            np.full(len(blocks), n, np.uint64),
-            np.full(len(blocks), at // 8, np.uint64),
-        )
-        for b, got in enumerate(sums.tolist()):
-            totals[b] += got
-    for src, dst, total in zip(blocks, landed, totals):
-        assert np.array_equal(src, dst)
-        assert finish(total & MASK, src.nbytes) == definition(src.tobytes())
+    lengths = np.array([8 * 7, 8 * 4096, 8 * 2500, 8 * 2048], np.uint64)  # > a C piece too
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
+    nbytes = int(lengths.sum())
+    blocks = [rng.integers(0, 256, nbytes, np.uint8) for _ in range(3)]
+    # each block's parts land apart from each other, in another order
+    landed = [[np.zeros(int(n), np.uint8) for n in lengths] for _ in blocks]
+    dsts = np.array([[part.ctypes.data for part in parts] for parts in landed], np.uint64)
+    slots = np.array([block.ctypes.data for block in blocks], np.uint64)
+    sums = np.zeros(len(blocks), np.uint64)
+    for layer in (range(2, 4), range(0, 2)):  # in any order
+        digest.copy_layer(dsts, slots, offsets, lengths, layer, sums)
+    for block, parts, total in zip(blocks, landed, sums.tolist()):
+        assert np.array_equal(np.concatenate(parts), block)
+        assert finish(total, nbytes) == definition(block.tobytes())
     with pytest.raises(ValueError, match="multiple of 8"):
-        digest.copy_sums(*(np.array([1], np.uint64) for _ in range(2)),
-                         np.array([12], np.uint64), np.array([0], np.uint64))  # fmt: skip
+        digest.copy_layer(dsts, slots, offsets + np.uint64(4), lengths, range(0, 1), sums)
+    with pytest.raises(ValueError, match="not a run"):
+        digest.copy_layer(dsts, slots, offsets, lengths, range(0, 5), sums)
 
 
 def test_a_flipped_bit_anywhere_in_a_block_changes_its_digest(way):

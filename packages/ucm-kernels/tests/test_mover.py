@@ -295,7 +295,7 @@ def test_a_run_in_steps_keeps_the_stored_prefix_whole(device, heads, tmp_path):
 
 
 class _GatedSums:
-    """``copy_sums`` that copies its first call's layer at once and each later one only
+    """``copy_layer`` that copies its first call's layer at once and each later one only
     once ``gate`` is set: a copy still running while the engine waits."""
 
     def __init__(self, real) -> None:
@@ -320,8 +320,8 @@ def test_a_read_a_layer_at_a_time_lands_layer_by_layer_and_is_checked_once_whole
     # once its last layer landed, over what landed (a corrupt one is dropped)
     import ucm.kernels.mover.layers as layers
 
-    gated = _GatedSums(layers.copy_sums)
-    monkeypatch.setattr(layers, "copy_sums", gated)
+    gated = _GatedSums(layers.copy_layer)
+    monkeypatch.setattr(layers, "copy_layer", gated)
     source, target = _caches("cpu", 1, 5), _caches("cpu", 1, 6)
     before = [t.clone() for t in target.tensors]
     nbytes = source.payload_nbytes()
@@ -358,8 +358,8 @@ def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(shm
 
     import ucm.kernels.mover.layers as layers
 
-    gated = _GatedSums(layers.copy_sums)
-    monkeypatch.setattr(layers, "copy_sums", gated)
+    gated = _GatedSums(layers.copy_layer)
+    monkeypatch.setattr(layers, "copy_layer", gated)
     source, target = _caches("cpu", 1, 7), _caches("cpu", 1, 8)
     before = [t.clone() for t in target.tensors]
     nbytes = source.payload_nbytes()
@@ -380,29 +380,33 @@ def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(shm
         assert torch.equal(got, old)
 
 
-def test_a_read_a_layer_at_a_time_needs_blocks_lent_unchecked_and_the_compiled_copy(
+def test_a_read_a_layer_at_a_time_is_whole_where_the_store_lends_nothing(
     shm_dir, tmp_path, monkeypatch
 ):
+    # a posix store lends no block (a signed store none unchecked, a tiered one none its
+    # memory lacks): the mover's thread has it read them in place, every layer at once;
+    # blocks that are not runs of the cache, or copies that would hold the GIL, are not
+    # read a layer at a time at all
     from ucm.core import digest
 
-    source = _caches("cpu", 1, 9)
+    source, target = _caches("cpu", 1, 9), _caches("cpu", 1, 10)
     nbytes = source.payload_nbytes()
     keys = [bytes([80 + i]) * 16 for i in range(2)]
     mover = Mover()
-    for kind in ("dram", "posix"):
+    for kind in ("posix", "dram"):
         with _store(kind, tmp_path, shm_dir, nbytes) as store:
             dumped = mover.dump(Batch(source, [0, 1], keys, store, b"t", nbytes))
             assert all(r.ok for r in dumped.wait(10))
-            batch = Batch(_caches("cpu", 1, 10), [2, 3], keys, store, b"t", nbytes)
-            if kind == "posix":  # lends nothing: the load is whole
-                assert mover.start_layered_read(batch) is None
-                continue
+            batch = Batch(target, [2, 3], keys, store, b"t", nbytes)
             gathered = attrs.evolve(batch, caches=_caches("cpu", 4, 1))  # blocks not runs
             assert mover.start_layered_read(gathered) is None
             with monkeypatch.context() as patch:
                 patch.setattr(digest, "_LIBRARY", None)
                 assert mover.start_layered_read(batch) is None
-            read = mover.start_layered_read(batch)  # lent, and given back when settled
+            read = mover.start_layered_read(batch)
+            assert read.layers.wait_layer(len(target.tensors) - 1, 10)
             read.task.wait(10)
             assert all(r.ok for r in mover.settle_read(read))
+            for got, want in zip(target.tensors, source.tensors):
+                assert torch.equal(got[2:4], want[0:2])
     mover.close()

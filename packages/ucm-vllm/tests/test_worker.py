@@ -754,7 +754,7 @@ LAYOUT2 = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, gr
 
 
 class _GatedSums:
-    """The mover's ``copy_sums``, its first layer at once and each later one once ``gate``
+    """The mover's ``copy_layer``, its first layer at once and each later one once ``gate``
     is set: a layered copy still running while the forward pass waits."""
 
     def __init__(self, real) -> None:
@@ -816,8 +816,8 @@ def test_sync_loads_go_a_layer_at_a_time_once_vllm_is_seen_waiting_for_every_lay
     assert not reader.loads.layered
     assert _step(reader, None) == set()  # a step of other requests: vLLM waits for both
     assert reader.loads.layered
-    gated = _GatedSums(layers.copy_sums)
-    monkeypatch.setattr(layers, "copy_sums", gated)
+    gated = _GatedSums(layers.copy_layer)
+    monkeypatch.setattr(layers, "copy_layer", gated)
     first, second = (caches[name] for name in LAYERS2)
     before = second.clone()
     reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))  # returns at once
@@ -864,8 +864,8 @@ def test_a_layered_load_that_does_not_land_holds_the_forward_pass_for_a_bounded_
         shm_path, load_timeout_s=0.5, cancel_grace_s=5.0
     )
     _step(reader, None)
-    gated = _GatedSums(layers.copy_sums)
-    monkeypatch.setattr(layers, "copy_sums", gated)
+    gated = _GatedSums(layers.copy_layer)
+    monkeypatch.setattr(layers, "copy_layer", gated)
     threading.Timer(2.0, gated.gate.set).start()  # the stalled copy ends after 2 s
     before = caches[LAYERS2[1]].clone()
     started = time.monotonic()

@@ -79,34 +79,48 @@ def words_sum(data: memoryview | bytes | bytearray, first: int = 0) -> int:
     return int(total)
 
 
-def copy_sums(
-    dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray, firsts: np.ndarray
-) -> np.ndarray:
-    """Copy pieces of blocks (piece ``i``: ``lengths[i]`` bytes, whole words, from address
-    ``srcs[i]`` to address ``dsts[i]``; uint64 arrays) and sum each one's words where it
-    landed, its first word being word ``firsts[i]`` of its block's payload.
+def copy_layer(
+    dsts: np.ndarray,
+    slots: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    parts: range,
+    sums: np.ndarray,
+) -> None:
+    """Copy parts ``parts`` of every block of a batch into place and add the sum of each
+    one's words where it landed to its block's ``sums`` (uint64, modulo 2**64).
 
-    A block's pieces' sums add up to its payload's (:func:`finish` of the total is its
-    digest), so a load may copy every block a layer at a time and check each once its last
-    layer landed, over the very bytes the engine reads.  One compiled call, the GIL let go,
-    where the library is built; numpy otherwise."""
-    count = len(dsts)
-    if not (len(srcs) == len(lengths) == len(firsts) == count):
-        raise ValueError("copy_sums takes as many sources, lengths and first words as pieces")
-    if bool((lengths % 8).any()):
-        raise ValueError("copy_sums copies whole words: a piece's length is not a multiple of 8")
-    sums = np.zeros(count, np.uint64)
-    if not count:
-        return sums
+    Block ``b`` lies at address ``slots[b]``; part ``p`` of its payload starts ``offsets[p]``
+    bytes in, is ``lengths[p]`` bytes long (whole words) and lands at address
+    ``dsts[b, p]`` (uint64 arrays).  A block's parts' sums add up to its payload's
+    (:func:`finish` of the total is its digest), so a load may copy every block a layer at a
+    time (a layer's parts) and check each once its last layer landed, over the very bytes
+    the engine reads.  One compiled call, the GIL let go, where the library is built; numpy
+    otherwise."""
+    nblocks, nparts = dsts.shape
+    if not (len(slots) == len(sums) == nblocks and len(offsets) == len(lengths) == nparts):
+        raise ValueError("copy_layer takes a slot and a sum a block, an offset and a length a part")
+    if bool((lengths % 8).any()) or bool((offsets % 8).any()):
+        raise ValueError("copy_layer copies whole words: a part is not a multiple of 8 bytes")
+    if not 0 <= parts.start <= parts.stop <= nparts or parts.step != 1:
+        raise ValueError(f"parts {parts} are not a run of the {nparts} parts of a block")
     if _LIBRARY is not None:
-        arrays = [np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, lengths, firsts)]
-        _LIBRARY.ucm_copy_sums(count, *(a.ctypes.data for a in arrays), sums.ctypes.data)
-        return sums
-    for i, (dst, src, n, first) in enumerate(zip(dsts, srcs, lengths, firsts)):
-        into = (ctypes.c_char * int(n)).from_address(int(dst))
-        ctypes.memmove(into, int(src), int(n))
-        sums[i] = words_sum(memoryview(into), int(first))
-    return sums
+        arrays = [np.ascontiguousarray(a, np.uint64) for a in (dsts, slots, offsets, lengths)]
+        if sums.dtype != np.uint64 or not sums.flags.c_contiguous:
+            raise ValueError("sums must be a contiguous uint64 array")
+        _LIBRARY.ucm_copy_layer(
+            nblocks, nparts, *(a.ctypes.data for a in arrays), parts.start, parts.stop,
+            sums.ctypes.data,
+        )  # fmt: skip
+        return
+    for b in range(nblocks):
+        total = int(sums[b])
+        for p in parts:
+            n = int(lengths[p])
+            into = (ctypes.c_char * n).from_address(int(dsts[b, p]))
+            ctypes.memmove(into, int(slots[b]) + int(offsets[p]), n)
+            total += words_sum(memoryview(into), int(offsets[p]) // 8)
+        sums[b] = total & MASK
 
 
 class Digest:

@@ -19,8 +19,8 @@ def _load() -> ctypes.CDLL | None:
     u64, p = ctypes.c_uint64, ctypes.c_void_p
     library.ucm_move_sealed.argtypes = [u64, ctypes.c_int, *[p] * 6]  # uint64 arrays
     library.ucm_move_sealed.restype = u64
-    library.ucm_copy_sums.argtypes = [u64, *[p] * 5]  # uint64 arrays
-    library.ucm_copy_sums.restype = u64
+    library.ucm_copy_layer.argtypes = [u64, u64, p, p, p, p, u64, u64, p]  # uint64 arrays
+    library.ucm_copy_layer.restype = u64
     library.ucm_digest_sum.argtypes = [p, u64, u64]
     library.ucm_digest_sum.restype = u64
     library.ucm_digest.argtypes = [p, ctypes.c_size_t]

@@ -328,7 +328,7 @@ class Loads:
         batches = positions(items, lambda it: (stores.of(self.blocks.group(it)), shape(it)))
         for (store, (group, _)), where in batches.items():
             batch = self.blocks.batch(store, group, [items[p] for p in where])
-            read = self.mover.start_layered_read(batch)
+            read = self.mover.start_layered_read(batch, self.timeout_s)
             if read is None:
                 for _, started in job.batches:
                     self.mover.stop_read(started, self.grace_s)

@@ -2,18 +2,22 @@
 
 An engine that waits for each layer's KV right before that layer's attention (vLLM's
 ``wait_for_layer_load``) need not wait for a whole load before its forward pass starts: the
-first layers compute while the last ones are copied.  The store lends its blocks where they
-lie, unchecked, with the digests they were stored with (``Store.open_reads(check=False)``);
-one thread of the mover copies the first cache tensor's part of every block, then the
-second's, and so on (a cache tensor a layer), summing each part's words where it landed
-(:func:`ucm.core.digest.copy_sums`).  A block's parts' sums add up to its payload's, so a
-block is checked once its last layer landed, over the very bytes the engine reads, and a
-block that fails is a failure when the read is settled: after the forward pass, whose
-output for it the engine then discards (vLLM: a load error, recomputed).
+first layers compute while the last ones are copied.  One thread of the mover asks the
+store to lend the blocks where they lie, unchecked, with the digests they were stored with
+(``Store.open_reads(check=False)``), and copies the first cache tensor's part of every
+block, then the second's, and so on (a cache tensor a layer), summing each part's words
+where it landed (:func:`ucm.core.digest.copy_layer`).  The engine's thread only hands the
+batch over: pinning the blocks and planning the copies happen beside its forward pass too.
+A block's parts' sums add up to its payload's, so a block is checked once its last layer
+landed, over the very bytes the engine reads, and a block that fails is a failure when the
+read is settled: after the forward pass, whose output for it the engine then discards
+(vLLM: a load error, recomputed).
 
-Only where each block's payload is views of the caches (the in-place route), the copies are
-compiled (numpy's would hold the forward pass's core), and the store lends blocks unchecked
-(a signed store checks its MACs on its own threads): elsewhere a load is whole.
+Only where each block's payload is views of the caches (the in-place route) and the copies
+are compiled (numpy's would hold the forward pass's core and its GIL); elsewhere a load is
+whole.  Where the store lends none (a signed store, whose MACs are checked on its own
+threads; a tiered store whose memory lacks a block), the thread has the store read them in
+place, whole, and every layer lands at once.
 """
 
 from __future__ import annotations
@@ -22,53 +26,61 @@ import threading
 import time
 from collections.abc import Sequence
 
-import attrs
 import numpy as np
-from ucm.core import KeyResult, SlotReads, Status, Task, address_of
-from ucm.core.digest import copy_sums, finish
+from ucm.core import KeyResult, SlotReads, Status, Store, Task, address_of
+from ucm.core.digest import copy_layer, finish
 
+from ucm.kernels.mover.rows import deferred_payloads
 from ucm.kernels.segments import BlockSegments
 
 _OK = KeyResult(Status.OK)
 _CANCELLED = KeyResult(Status.CANCELLED)
+_NO_ANSWER = KeyResult(Status.ERROR, "the store did not answer in time")
 
 
-@attrs.frozen
-class _Pieces:
-    """One layer's part of every copied block: uint64 addresses and lengths, each part's
-    first word in its block's payload, and its block (its place among the copied ones)."""
-
-    dsts: np.ndarray
-    srcs: np.ndarray
-    lengths: np.ndarray
-    firsts: np.ndarray
-    blocks: np.ndarray
+def layer_runs(part_caches: Sequence[int] | None) -> list[range] | None:
+    """Each cache tensor's parts of a block's payload, as runs of parts, in order; None
+    where a tensor's parts are not one run (or the payload has parts of no tensor)."""
+    if not part_caches:
+        return None
+    runs: list[range] = []
+    start = 0
+    for p in range(1, len(part_caches) + 1):
+        if p == len(part_caches) or part_caches[p] != part_caches[start]:
+            runs.append(range(start, p))
+            start = p
+    if len({part_caches[run.start] for run in runs}) != len(runs):
+        return None
+    return runs
 
 
 class LayeredCopy:
-    """A batch's lent blocks copied into its cache blocks a layer at a time (see the
-    module's docstring): :meth:`run` on the mover's thread, :meth:`wait_layer` on the
-    engine's.  ``task``: one result per block of the batch, those not copied (not lent)
-    settled already."""
+    """A batch's blocks read into its cache blocks a layer at a time (see the module's
+    docstring): :meth:`run` on the mover's thread, :meth:`wait_layer` on the engine's.
+    ``task``: one result per block, once the copy ended."""
 
     def __init__(
         self,
-        task: Task,
-        layers: list[_Pieces],
-        copied: list[int],
-        expected: list[int],
+        store: Store,
+        keys: list[bytes],
         nbytes: int,
+        tag: bytes,
+        segments: BlockSegments,
+        layers: list[range],
         bad_digest: KeyResult,
+        timeout_s: float,
     ) -> None:
-        self.task = task
+        self.task = Task(len(keys))
+        self._store, self._keys, self._nbytes, self._tag = store, keys, nbytes, tag
+        self._segments = segments
         self._layers = layers
-        self._copied = copied  # the batch's places of the blocks copied
-        self._expected = expected  # their stored digests
-        self._nbytes = nbytes
         self._bad = bad_digest
+        self._timeout_s = timeout_s  # of a whole read, where the store lends none
         self._landed = 0  # layers copied into every block
         self._ended = threading.Condition()
         self.ended = 0.0  # time.perf_counter() when the copy ended (0: not yet)
+        #: the blocks the store lent, set on the mover's thread before the task ends
+        self.lent: SlotReads | None = None
 
     @property
     def layers(self) -> int:
@@ -84,65 +96,63 @@ class LayeredCopy:
             self._ended.wait_for(lambda: self._landed > layer or self.task.done(), timeout)
             return self._landed > layer
 
+    def take_lent(self) -> SlotReads | None:
+        """The lent blocks, for the caller to give back (once the task ended)."""
+        lent, self.lent = self.lent, None
+        return lent
+
     def run(self) -> None:
-        """Copy every layer, then check the blocks (on the mover's thread)."""
+        """Read every layer, then check the blocks (on the mover's thread)."""
         try:
-            self.task.try_keys(self._copied, self._copy)
+            self.task.try_keys(range(len(self._keys)), self._read)
         finally:  # no waiter waits past the end of the copy, whatever ended it
             with self._ended:
                 self.ended = time.perf_counter()
                 self._ended.notify_all()
 
-    def _copy(self) -> list[KeyResult | None]:
-        sums = np.zeros(len(self._copied), np.uint64)
-        for pieces in self._layers:
+    def _land(self, layers: int) -> None:
+        with self._ended:
+            self._landed = layers
+            self._ended.notify_all()
+
+    def _read(self) -> list[KeyResult | None]:
+        lent = self._store.open_reads(self._keys, self._nbytes, self._tag, check=False)
+        if lent is not None and (lent.digests is None or not lent.task.done()):
+            lent.release()  # checked by the store: read whole instead
+            lent = None
+        if lent is None:
+            return self._whole()
+        self.lent = lent
+        results: list[KeyResult | None] = list(lent.task.wait(0))
+        copied = [i for i, r in enumerate(results) if r and r.ok and lent.views[i] is not None]
+        starts, lengths = self._segments.part_addresses()
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
+        dsts = starts[copied]
+        slots = np.array([address_of(lent.views[i]) for i in copied], np.uint64)  # type: ignore[arg-type]
+        sums = np.zeros(len(copied), np.uint64)
+        for done, layer in enumerate(self._layers):
             if self.task.cancelled:  # the engine takes its blocks back: not a byte more
-                return [_CANCELLED] * len(self._copied)
-            got = copy_sums(pieces.dsts, pieces.srcs, pieces.lengths, pieces.firsts)
-            np.add.at(sums, pieces.blocks, got)  # modulo 2**64, as the digest's sum
-            with self._ended:
-                self._landed += 1
-                self._ended.notify_all()
-        return [
-            _OK if finish(int(total), self._nbytes) == want else self._bad
-            for total, want in zip(sums.tolist(), self._expected)
-        ]
+                for i in copied:
+                    results[i] = _CANCELLED
+                return results
+            copy_layer(dsts, slots, offsets, lengths, layer, sums)
+            self._land(done + 1)
+        digests = lent.digests
+        assert digests is not None
+        for i, total in zip(copied, sums.tolist()):
+            results[i] = _OK if finish(total, self._nbytes) == digests[i] else self._bad
+        return results
 
-
-def plan_layers(
-    segments: BlockSegments,
-    part_caches: Sequence[int],
-    lent: SlotReads,
-    nbytes: int,
-    bad_digest: KeyResult,
-) -> LayeredCopy | None:
-    """The copy of the blocks ``lent`` (unchecked, its task done) into ``segments``, a cache
-    tensor (``part_caches``: each part's) at a time; None where a part is not whole words
-    (the digest's sums are of words)."""
-    assert lent.digests is not None
-    results = lent.task.wait(0)
-    copied = [i for i, r in enumerate(results) if r.ok and lent.views[i] is not None]
-    starts, lengths = segments.part_addresses()
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
-    if bool((lengths % 8).any()) or int(lengths.sum()) != nbytes:
-        return None
-    slots = np.array([address_of(lent.views[i]) for i in copied], np.uint64)  # type: ignore[arg-type]
-    places = np.arange(len(copied), dtype=np.intp)
-    caches = np.asarray(part_caches)
-    pieces = []
-    for cache in range(int(caches.max()) + 1):
-        cols = np.flatnonzero(caches == cache)
-        pieces.append(
-            _Pieces(
-                dsts=starts[copied][:, cols].ravel(),
-                srcs=(slots[:, None] + offsets[cols]).ravel(),
-                lengths=np.tile(lengths[cols], len(copied)),
-                firsts=np.tile(offsets[cols] // np.uint64(8), len(copied)),
-                blocks=np.repeat(places, len(cols)),
-            )
-        )
-    task = Task(len(results))
-    settled = sorted(set(range(len(results))) - set(copied))
-    task.set_results(settled, [results[i] for i in settled])
-    expected = [int(lent.digests[i]) for i in copied]  # type: ignore[arg-type]
-    return LayeredCopy(task, pieces, copied, expected, nbytes, bad_digest)
+    def _whole(self) -> list[KeyResult | None]:
+        """The store lends none of the blocks: it reads them into place itself, and every
+        layer lands at once."""
+        payloads = deferred_payloads(self._segments, range(len(self._keys)))
+        load = self._store.load(self._keys, payloads, self._tag)
+        self.task.add_part(load)  # a cancel stops it, and waits for it to let go
+        try:
+            results: list[KeyResult | None] = list(load.wait(self._timeout_s))
+        except TimeoutError:  # the store's reads from memory stop at once
+            load.cancel(wait=self._timeout_s)
+            return [_NO_ANSWER] * len(self._keys)
+        self._land(len(self._layers))
+        return results

@@ -41,7 +41,7 @@ from ucm.core.digest import compiled
 
 from ucm.kernels.digest import unsigned
 from ucm.kernels.mover.caches import Caches
-from ucm.kernels.mover.layers import LayeredCopy, plan_layers
+from ucm.kernels.mover.layers import LayeredCopy, layer_runs
 from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
 from ucm.kernels.pinning import PinnedRegions, dump_into
@@ -106,7 +106,7 @@ class Read:
     route: Route
     task: Task | None  # None: the store could not start them (every result None)
     rows: list[torch.Tensor] = attrs.Factory(list)  # ROWS: one a block
-    lent: SlotReads | None = None  # STORE_MEMORY or layered: the blocks the store lends
+    lent: SlotReads | None = None  # STORE_MEMORY: the blocks the store lends
     stopped: bool = False  # cancelled before it was settled (Mover.stop_read)
     layers: LayeredCopy | None = None  # copied in place a layer at a time (layered)
 
@@ -429,34 +429,28 @@ class Mover:
             read.rows = []
         return read
 
-    def start_layered_read(self, batch: Batch) -> Read | None:
+    def start_layered_read(self, batch: Batch, timeout_s: float = 60.0) -> Read | None:
         """Submit the batch's loads straight into its cache blocks a cache tensor at a time
         (:mod:`ucm.kernels.mover.layers`), on the mover's thread: ``read.layers`` says when
-        each one landed.  The caller keeps the blocks until the read is settled or stopped.
-        None where the batch cannot be (then :meth:`start_read`)."""
+        each one landed.  The caller keeps the blocks until the read is settled or stopped;
+        ``timeout_s`` bounds a read the store does whole.  None where the batch cannot be
+        read so (then :meth:`start_read`)."""
         if not compiled() or self._refused or not self.settings.zero_copy:
             return None
         route, segments = self.route(batch, cache_lent=True)
-        part_caches = None if segments is None else segments.part_caches()
-        if route is not Route.IN_PLACE or segments is None or part_caches is None:
+        if route is not Route.IN_PLACE or segments is None:
             return None
-        try:
-            lent = batch.store.open_reads(list(batch.keys), batch.nbytes, batch.tag, check=False)
-        except Exception as exc:  # noqa: BLE001 - the whole load reports the store
-            log.debug("ucm: no blocks lent in place (%s)", exc)
+        layers = layer_runs(segments.part_caches())
+        if layers is None:
             return None
-        if lent is None:
-            return None
-        copy = None
-        if lent.digests is not None and lent.task.done():  # else checked by the store
-            copy = plan_layers(segments, part_caches, lent, batch.nbytes, BAD_DIGEST)
-        if copy is None:
-            lent.release()
-            return None
+        copy = LayeredCopy(
+            batch.store, list(batch.keys), batch.nbytes, batch.tag, segments, layers,
+            BAD_DIGEST, timeout_s,
+        )  # fmt: skip
         if self._copier is None:
             self._copier = store_pool(1, "ucm-layers")  # beside the store's threads
         self._copier.submit(copy.run)
-        return Read(batch, Route.IN_PLACE, copy.task, lent=lent, layers=copy)
+        return Read(batch, Route.IN_PLACE, copy.task, layers=copy)
 
     def settle_read(self, read: Read) -> list[KeyResult | None]:
         """The batch's results once its loads ended (or timed out: None); blocks the store
@@ -482,18 +476,20 @@ class Mover:
         return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]
 
     def _settle_layers(self, read: Read, results: list[KeyResult | None]) -> list[KeyResult | None]:
-        """A layered read's blocks given back once copied: those that failed their digest
-        dropped from the store, those whose loan ran out first failures."""
-        lent, read.lent = read.lent, None
-        if lent is None:  # given back when it was stopped
+        """A layered read's lent blocks given back once copied: those that failed their
+        digest dropped from the store, those whose loan ran out first failures."""
+        copy = read.layers
+        assert copy is not None
+        if not read.done():  # never ended: nothing of it counts, the loans end with it
+            read.task.add_done_callback(lambda _task: _give_back(copy.take_lent()))  # type: ignore[union-attr]
+            return [None] * len(read.batch)
+        lent = copy.take_lent()
+        if lent is None:  # read whole by the store, or given back when it was stopped
             return results
         bad = [i for i, r in enumerate(results) if r is BAD_DIGEST]
         if bad:
             log.warning("ucm: %d blocks lent by the store fail their digest: dropped", len(bad))
             lent.drop(bad)
-        if not read.done():  # never ended: nothing of it counts, the loans end with it
-            read.task.add_done_callback(lambda _task: lent.release())  # type: ignore[union-attr]
-            return [None] * len(read.batch)
         held = lent.release()
         return [r if held[i] or r is None else LOAN_ENDED for i, r in enumerate(results)]
 
@@ -522,11 +518,14 @@ class Mover:
         quiet = read.task is None or read.task.cancel(wait=grace_s)
         read.stopped = True
         if read.lent is not None:  # given back once their checks end
-            lent, read.lent = read.lent, None
-            if quiet or read.layers is None:
-                lent.release()
-            else:  # our copy out of them still runs: given back once it ends
-                read.task.add_done_callback(lambda _task: lent.release())  # type: ignore[union-attr]
+            read.lent.release()
+            read.lent = None
+        copy = read.layers
+        if copy is not None:  # what it copies out of is given back once it ends
+            if quiet:
+                _give_back(copy.take_lent())
+            elif read.task is not None:
+                read.task.add_done_callback(lambda _task: _give_back(copy.take_lent()))
         rows, read.rows = read.rows, []
         if rows:
             if quiet or read.task is None:
@@ -534,6 +533,11 @@ class Mover:
             else:
                 read.task.add_done_callback(lambda _task: self.pool.give(rows))
         return quiet
+
+
+def _give_back(lent: SlotReads | None) -> None:
+    if lent is not None:
+        lent.release()
 
 
 def wait_until(task: Task, deadline: float) -> bool:
