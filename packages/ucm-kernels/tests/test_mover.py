@@ -380,33 +380,37 @@ def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(shm
         assert torch.equal(got, old)
 
 
-def test_a_read_a_layer_at_a_time_is_whole_where_the_store_lends_nothing(
+def test_a_read_a_layer_at_a_time_is_whole_where_the_store_lends_none(
     shm_dir, tmp_path, monkeypatch
 ):
-    # a posix store lends no block (a signed store none unchecked, a tiered one none its
-    # memory lacks): the mover's thread has it read them in place, every layer at once;
-    # blocks that are not runs of the cache, or copies that would hold the GIL, are not
-    # read a layer at a time at all
+    # a dram store that lends none of the batch after all (here: none unchecked, as a
+    # signed one): the mover's thread has it read them in place, every layer at once.  A
+    # store that never lends (posix), blocks that are not runs of the cache, or copies that
+    # would hold the GIL are not read a layer at a time at all
     from ucm.core import digest
 
     source, target = _caches("cpu", 1, 9), _caches("cpu", 1, 10)
     nbytes = source.payload_nbytes()
     keys = [bytes([80 + i]) * 16 for i in range(2)]
     mover = Mover()
-    for kind in ("posix", "dram"):
-        with _store(kind, tmp_path, shm_dir, nbytes) as store:
-            dumped = mover.dump(Batch(source, [0, 1], keys, store, b"t", nbytes))
-            assert all(r.ok for r in dumped.wait(10))
-            batch = Batch(target, [2, 3], keys, store, b"t", nbytes)
-            gathered = attrs.evolve(batch, caches=_caches("cpu", 4, 1))  # blocks not runs
-            assert mover.start_layered_read(gathered) is None
-            with monkeypatch.context() as patch:
-                patch.setattr(digest, "_LIBRARY", None)
-                assert mover.start_layered_read(batch) is None
-            read = mover.start_layered_read(batch)
-            assert read.layers.wait_layer(len(target.tensors) - 1, 10)
-            read.task.wait(10)
-            assert all(r.ok for r in mover.settle_read(read))
-            for got, want in zip(target.tensors, source.tensors):
-                assert torch.equal(got[2:4], want[0:2])
+    with _store("posix", tmp_path, shm_dir, nbytes) as store:
+        assert not store.lends_blocks
+        assert mover.start_layered_read(Batch(target, [2, 3], keys, store, b"t", nbytes)) is None
+    with _store("dram", tmp_path, shm_dir, nbytes) as store:
+        dumped = mover.dump(Batch(source, [0, 1], keys, store, b"t", nbytes))
+        assert all(r.ok for r in dumped.wait(10))
+        batch = Batch(target, [2, 3], keys, store, b"t", nbytes)
+        gathered = attrs.evolve(batch, caches=_caches("cpu", 4, 1))  # blocks not runs
+        assert mover.start_layered_read(gathered) is None
+        with monkeypatch.context() as patch:
+            patch.setattr(digest, "_LIBRARY", None)
+            assert mover.start_layered_read(batch) is None
+        opened = store.open_reads
+        monkeypatch.setattr(store, "open_reads", lambda *a, **k: opened(*a, check=True))
+        read = mover.start_layered_read(batch)
+        assert read.layers.wait_layer(len(target.tensors) - 1, 10)
+        read.task.wait(10)
+        assert all(r.ok for r in mover.settle_read(read))
+        for got, want in zip(target.tensors, source.tensors):
+            assert torch.equal(got[2:4], want[0:2])
     mover.close()

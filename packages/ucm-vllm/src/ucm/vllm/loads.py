@@ -20,6 +20,14 @@ fail are load errors like any other, so vLLM recomputes them over whatever the r
 there; a load that times out is cancelled and waited for (a memory copy ends at once), so
 no read lands after vLLM has taken its blocks back.
 
+Such a load goes a layer at a time where the store lends its blocks (``layer_wise_loads``):
+``start_load_kv`` hands them to the mover's thread and returns, the forward pass waits in
+``wait_for_layer_load`` for each layer alone (:meth:`Loads.wait_layer`), and once it ended
+(``get_block_ids_with_load_errors``, :meth:`Loads.end_step`) each block is checked and the
+failures reported as above.  Only once vLLM was seen waiting for every layer in a step; a
+step whose forward pass read a layer without waiting fails its layered loads and turns them
+off for good.
+
 The reads, the copies out of lent blocks and the rows are the mover's
 (:mod:`ucm.kernels.mover`); this module keeps what is vLLM's: pieces and deadlines, which
 loaded blocks count for a request of several groups, what vLLM is told of failures.
@@ -130,7 +138,8 @@ class Loads:
             self.layer_index = {name: i for i, name in enumerate(group.layer_names)}
 
     def start(self, transfers: list[Transfer]) -> None:
-        """Async loads start; sync ones run to the end (scattered, or load errors)."""
+        """Async loads start; sync ones run to the end (scattered, or load errors), or,
+        layered, are under way when this returns (:meth:`wait_layer`, :meth:`end_step`)."""
         if not self.sync:
             for transfer in transfers:
                 self.jobs[transfer.req_id] = self._submit(transfer)
@@ -175,13 +184,8 @@ class Loads:
                 assert read.layers is not None
                 if read.layers.wait_layer(layer, deadline - time.monotonic()) or read.done():
                     continue  # landed, or the copy ended without it (its results say why)
-                log.warning(
-                    "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
-                    job.transfer.req_id,
-                    self.timeout_s,
-                )
                 job.failed = "no_answer"
-                self._stop_late(job)
+                self._late(job)
                 break
 
     def end_step(self) -> None:
@@ -275,12 +279,15 @@ class Loads:
         if job.failed:
             self._stop_late(job)
         elif not job.done():
-            log.warning(
-                "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
-                job.transfer.req_id,
-                self.timeout_s,
-            )
-            self._stop_late(job)
+            self._late(job)
+
+    def _late(self, job: LoadJob) -> None:
+        log.warning(
+            "ucm: request %s: the store did not answer in %.1f s (load_timeout_s)",
+            job.transfer.req_id,
+            self.timeout_s,
+        )
+        self._stop_late(job)
 
     def _stop_late(self, job: LoadJob) -> None:
         """Stop the reads of a late load.  Reads into rows or out of lent blocks are left

@@ -85,6 +85,12 @@ class Store(abc.ABC):
         return False
 
     @property
+    def lends_blocks(self) -> bool:
+        """Whether :meth:`open_reads` may lend blocks where they lie (it answers None
+        otherwise): a caller that would copy out of them itself asks only such a store."""
+        return False
+
+    @property
     def reachable(self) -> bool:
         """Whether the store answers now: false while a remote store's link is down (its
         lookups miss and its dumps fail until it is back); a local store, once open, is."""

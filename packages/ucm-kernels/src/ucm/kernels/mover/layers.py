@@ -13,11 +13,12 @@ landed, over the very bytes the engine reads, and a block that fails is a failur
 read is settled: after the forward pass, whose output for it the engine then discards
 (vLLM: a load error, recomputed).
 
-Only where each block's payload is views of the caches (the in-place route) and the copies
-are compiled (numpy's would hold the forward pass's core and its GIL); elsewhere a load is
-whole.  Where the store lends none (a signed store, whose MACs are checked on its own
-threads; a tiered store whose memory lacks a block), the thread has the store read them in
-place, whole, and every layer lands at once.
+Only where each block's payload is views of the caches (the in-place route), the copies
+are compiled (numpy's would hold the forward pass's core and its GIL) and the store may lend
+blocks (``Store.lends_blocks``); elsewhere a load is whole.  Where it lends none of a batch
+after all (a signed store, whose MACs are checked on its own threads; a tiered store whose
+memory lacks a block), the thread has the store read them in place, whole, and every layer
+lands at once.
 """
 
 from __future__ import annotations

@@ -435,8 +435,8 @@ class Mover:
         each one landed.  The caller keeps the blocks until the read is settled or stopped;
         ``timeout_s`` bounds a read the store does whole.  None where the batch cannot be
         read so (then :meth:`start_read`)."""
-        if not compiled() or self._refused or not self.settings.zero_copy:
-            return None
+        if not (compiled() and batch.store.lends_blocks) or self._refused:
+            return None  # (a store that lends nothing reads in place faster itself)
         route, segments = self.route(batch, cache_lent=True)
         if route is not Route.IN_PLACE or segments is None:
             return None

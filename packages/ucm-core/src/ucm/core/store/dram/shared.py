@@ -101,6 +101,10 @@ class SharedMemoryStore(Store):
         return True
 
     @property
+    def lends_blocks(self) -> bool:
+        return True
+
+    @property
     def evicted_blocks(self) -> int:
         arena = self._arena
         return 0 if arena is None else arena.evicted_here

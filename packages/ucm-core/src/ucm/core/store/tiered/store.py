@@ -180,6 +180,10 @@ class TieredStore(Store):
         return whole
 
     @property
+    def lends_blocks(self) -> bool:
+        return self.front.lends_blocks  # those its local tier holds
+
+    @property
     def reads_from_memory(self) -> bool:
         """Where both tiers do and the local tier is memory: a load then writes the caller's
         buffers from memory, and the promotions that read them copy into memory, so a
