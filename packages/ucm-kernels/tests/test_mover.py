@@ -8,6 +8,7 @@ import pytest
 import torch
 from ucm.core.store import Status, create_store, verified_prefix
 from ucm.lab.testing.core import flip_shared_block_byte
+from ucm.lab.testing.kernels import GatedLayers
 
 from ucm.kernels import IN_PLACE_MIN_BYTES, block_segments
 from ucm.kernels.mover import (
@@ -294,34 +295,13 @@ def test_a_run_in_steps_keeps_the_stored_prefix_whole(device, heads, tmp_path):
             assert torch.equal(got, want)
 
 
-class _GatedSums:
-    """``copy_layer`` that copies its first call's layer at once and each later one only
-    once ``gate`` is set: a copy still running while the engine waits."""
-
-    def __init__(self, real) -> None:
-        import threading
-
-        self.real = real
-        self.gate = threading.Event()
-        self.calls = 0
-
-    def __call__(self, *args):
-        self.calls += 1
-        if self.calls > 1:
-            self.gate.wait(10)
-        return self.real(*args)
-
-
 def test_a_read_a_layer_at_a_time_lands_layer_by_layer_and_is_checked_once_whole(
     shm_dir, monkeypatch
 ):
     # vLLM's forward pass waits for each layer right before reading it: layer 0 of every
     # block is there while the others are still being copied, and each block is checked
     # once its last layer landed, over what landed (a corrupt one is dropped)
-    import ucm.kernels.mover.layers as layers
-
-    gated = _GatedSums(layers.copy_layer)
-    monkeypatch.setattr(layers, "copy_layer", gated)
+    gated = GatedLayers().install(monkeypatch)
     source, target = _caches("cpu", 1, 5), _caches("cpu", 1, 6)
     before = [t.clone() for t in target.tensors]
     nbytes = source.payload_nbytes()
@@ -356,10 +336,7 @@ def test_a_read_a_layer_at_a_time_lands_layer_by_layer_and_is_checked_once_whole
 def test_a_read_a_layer_at_a_time_stops_between_layers_and_none_of_it_counts(shm_dir, monkeypatch):
     import threading
 
-    import ucm.kernels.mover.layers as layers
-
-    gated = _GatedSums(layers.copy_layer)
-    monkeypatch.setattr(layers, "copy_layer", gated)
+    gated = GatedLayers().install(monkeypatch)
     source, target = _caches("cpu", 1, 7), _caches("cpu", 1, 8)
     before = [t.clone() for t in target.tensors]
     nbytes = source.payload_nbytes()

@@ -14,6 +14,7 @@ import torch
 from ucm.core.config import PosixStoreConfig
 from ucm.core.keys import block_keys
 from ucm.core.store import KeyResult, PosixStore, Status, Task
+from ucm.lab.testing.kernels import GatedLayers
 from ucm.vllm.layout import GroupLayout, ModelLayout
 from ucm.vllm.loads import blocks_used
 from ucm.vllm.plan import Item, StepPlan, Transfer
@@ -753,22 +754,6 @@ GROUP2 = GroupLayout(
 LAYOUT2 = ModelLayout(fingerprint="m", block_tokens=32, rank=0, world_size=1, groups=(GROUP2,))
 
 
-class _GatedSums:
-    """The mover's ``copy_layer``, its first layer at once and each later one once ``gate``
-    is set: a layered copy still running while the forward pass waits."""
-
-    def __init__(self, real) -> None:
-        self.real = real
-        self.gate = threading.Event()
-        self.calls = 0
-
-    def __call__(self, *args):
-        self.calls += 1
-        if self.calls > 1:
-            self.gate.wait(30)
-        return self.real(*args)
-
-
 def _two_layer_workers(shm_path, **kw):
     """A worker that stored 4 blocks of a two-layer model in a dram store (its caches) and a
     fresh worker on the same store, sync loads in place (its caches), and the blocks."""
@@ -810,14 +795,11 @@ def test_sync_loads_go_a_layer_at_a_time_once_vllm_is_seen_waiting_for_every_lay
     # The forward pass starts as soon as the loads are under way and waits for each layer
     # right before reading it; the blocks are checked once they all landed.  Only after a
     # step in which vLLM waited for every layer: until then a load is whole.
-    import ucm.kernels.mover.layers as layers
-
     reader, caches, stored, _, loads = _two_layer_workers(shm_path)
     assert not reader.loads.layered
     assert _step(reader, None) == set()  # a step of other requests: vLLM waits for both
     assert reader.loads.layered
-    gated = _GatedSums(layers.copy_layer)
-    monkeypatch.setattr(layers, "copy_layer", gated)
+    gated = GatedLayers().install(monkeypatch)
     first, second = (caches[name] for name in LAYERS2)
     before = second.clone()
     reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))  # returns at once
@@ -858,14 +840,11 @@ def test_a_layered_load_that_does_not_land_holds_the_forward_pass_for_a_bounded_
 ):
     # the layer a forward pass waits for never lands (a copy stalled): it waits until
     # load_timeout_s, the copy stops, and the blocks fail
-    import ucm.kernels.mover.layers as layers
-
     reader, caches, _, _, loads = _two_layer_workers(
         shm_path, load_timeout_s=0.5, cancel_grace_s=5.0
     )
     _step(reader, None)
-    gated = _GatedSums(layers.copy_layer)
-    monkeypatch.setattr(layers, "copy_layer", gated)
+    gated = GatedLayers().install(monkeypatch)
     threading.Timer(2.0, gated.gate.set).start()  # the stalled copy ends after 2 s
     before = caches[LAYERS2[1]].clone()
     started = time.monotonic()

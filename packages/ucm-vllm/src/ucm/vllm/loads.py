@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import attrs
 from ucm.core import KeyResult, Status, verified_prefix
-from ucm.kernels.mover import Mover, Read, Route
+from ucm.kernels.mover import Batch, Mover, Read, Route
 from ucm.vllm.blocks import RankBlocks, positions, shape
 from ucm.vllm.counters import Counters
 from ucm.vllm.plan import NULL_BLOCK, Transfer
@@ -325,16 +325,24 @@ class Loads:
             size += self.blocks.item_bytes(item)
         return pieces
 
+    def _batches(self, transfer: Transfer) -> list[tuple[list[int], Batch]]:
+        """``transfer`` as the mover's batches, one a store and payload size (with their
+        positions in ``transfer.items``)."""
+        assert self.stores is not None
+        items, stores = transfer.items, self.stores
+        batches = positions(items, lambda it: (stores.of(self.blocks.group(it)), shape(it)))
+        return [
+            (where, self.blocks.batch(store, group, [items[p] for p in where]))
+            for (store, (group, _)), where in batches.items()
+        ]
+
     def _submit_layered(self, transfer: Transfer) -> LoadJob | None:
         """The mover's layered reads of ``transfer`` (see :meth:`wait_layer`), or None where
         a batch cannot be read so (then the whole load)."""
-        job = LoadJob(transfer, [], time.perf_counter())
         if self.stores is None:
             return None
-        items, stores = transfer.items, self.stores
-        batches = positions(items, lambda it: (stores.of(self.blocks.group(it)), shape(it)))
-        for (store, (group, _)), where in batches.items():
-            batch = self.blocks.batch(store, group, [items[p] for p in where])
+        job = LoadJob(transfer, [], time.perf_counter())
+        for where, batch in self._batches(transfer):
             read = self.mover.start_layered_read(batch, self.timeout_s)
             if read is None:
                 for _, started in job.batches:
@@ -344,14 +352,11 @@ class Loads:
         return job
 
     def _submit(self, transfer: Transfer) -> LoadJob:
-        """The mover's reads of ``transfer``, one a store and payload size."""
+        """The mover's reads of ``transfer``."""
         job = LoadJob(transfer, [], time.perf_counter())
         if self.stores is None:
             return job
-        items, stores = transfer.items, self.stores
-        batches = positions(items, lambda it: (stores.of(self.blocks.group(it)), shape(it)))
-        for (store, (group, _)), where in batches.items():
-            batch = self.blocks.batch(store, group, [items[p] for p in where])
+        for where, batch in self._batches(transfer):
             job.batches.append((where, self.mover.start_read(batch, cache_lent=self.in_place)))
         return job
 

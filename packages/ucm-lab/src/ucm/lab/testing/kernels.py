@@ -1,4 +1,5 @@
-"""Helpers for tests (here and in the adapters): strided random caches, bitwise checks.
+"""Helpers for tests (here and in the adapters): strided random caches, bitwise checks, the
+mover's layered copies held back.
 
 Random *bits*, not random numbers: the payload must survive NaN payloads, infinities and
 denormals unchanged, so the generated tensors contain them.
@@ -7,7 +8,9 @@ denormals unchanged, so the generated tensors contain them.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from ucm.kernels.fallback import as_bits
@@ -69,3 +72,27 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = 
             f"{what}: {int(diff.sum())} of {diff.numel()} elements differ, first at {idx}: "
             f"{int(a[idx])} != {int(e[idx])}"
         )
+
+
+class GatedLayers:
+    """The mover's layered copies held back (:mod:`ucm.kernels.mover.layers`): a read's
+    first layer is copied at once, each later one only once :attr:`gate` is set, a copy
+    still under way while the engine waits.  Put in place by :meth:`install`."""
+
+    def __init__(self) -> None:
+        import ucm.kernels.mover.layers as layers
+
+        self._layers = layers
+        self.real = layers.copy_layer
+        self.gate = threading.Event()
+        self.calls = 0  # layers copied or being copied
+
+    def install(self, monkeypatch: Any) -> GatedLayers:
+        monkeypatch.setattr(self._layers, "copy_layer", self)
+        return self
+
+    def __call__(self, *args: Any) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.gate.wait(30)
+        self.real(*args)
