@@ -204,7 +204,7 @@ def _timed(call):
     return value, time.monotonic() - started
 
 
-def _until_connected(store, within: float = 30.0):
+def _until_connected(store, within: float = 60.0):
     """Wait until ``store`` has its master.  Its own wait at start-up is ``timeout_s``, short in
     these tests; Mooncake's client set-up retries every ~4.4 s, longer on a loaded machine."""
     deadline = time.monotonic() + within
