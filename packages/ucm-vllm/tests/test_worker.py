@@ -812,6 +812,8 @@ def test_sync_loads_go_a_layer_at_a_time_once_vllm_is_seen_waiting_for_every_lay
     assert reader.take_load_errors() == set()
     counts = reader.stats.take()
     assert counts["layered_loads"] == 1 and counts["loaded_blocks"] == 4, counts
+    # the forward pass waited for the held-back layer, not for the whole load up front
+    assert counts["load_wait_seconds"] > 0, counts
     reader.shutdown()
 
 

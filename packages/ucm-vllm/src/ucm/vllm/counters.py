@@ -20,6 +20,8 @@ COUNTERS = {
     "loaded_blocks": "Store blocks loaded into the KV cache",
     "loaded_bytes": "Bytes loaded from the store",
     "load_seconds": "Seconds spent loading (store read and scatter)",
+    "load_wait_seconds": "Seconds engine steps waited for sync loads: before the forward "
+    "pass, in it for layers still being copied, and for their checks after it",
     "load_errors": "Store blocks that failed to load, by cause (vLLM recomputes them)",
     "layered_loads": "Sync loads copied a layer at a time beside the forward pass reading them",
     "dumped_blocks": "Store blocks written (or found already stored)",

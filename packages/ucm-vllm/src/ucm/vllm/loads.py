@@ -146,6 +146,13 @@ class Loads:
             return
         if not transfers:
             return
+        started = time.perf_counter()
+        try:
+            self._start_sync(transfers)
+        finally:
+            self.stats.add(load_wait_seconds=time.perf_counter() - started)
+
+    def _start_sync(self, transfers: list[Transfer]) -> None:
         deadline = time.monotonic() + self.timeout_s
         if self.layered:
             whole = []
@@ -177,6 +184,12 @@ class Loads:
         if layer is None:
             return
         self.awaited.add(layer)
+        if self.pending:
+            started = time.perf_counter()
+            self._wait_layer(layer)
+            self.stats.add(load_wait_seconds=time.perf_counter() - started)
+
+    def _wait_layer(self, layer: int) -> None:
         for job, deadline in self.pending:
             if job.failed:
                 continue
@@ -197,11 +210,14 @@ class Loads:
         pending, self.pending = self.pending, []
         waited = bool(every) and seen >= every
         self.stats.add(layered_loads=len(pending))
+        started = time.perf_counter()
         for job, deadline in pending:
             if not job.failed and not waited:
                 job.failed = "not_awaited"
             self._wait(job, deadline)
             self._finish(job)
+        if pending:
+            self.stats.add(load_wait_seconds=time.perf_counter() - started)
         if pending and not waited:  # for good: each such step would be recomputed
             self.layered, self.layer_index = False, {}
             log.warning("ucm: vLLM did not wait for every layer's load: loads are whole now on")

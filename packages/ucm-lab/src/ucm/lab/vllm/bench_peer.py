@@ -144,6 +144,7 @@ REUSE_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hi
 
 #: the connector's seconds of loading (ucm.vllm.counters): a run's time spent in UCM's loads
 LOAD_SECONDS = "vllm:ucm_load_seconds_total"
+LOAD_WAIT_SECONDS = "vllm:ucm_load_wait_seconds_total"
 
 
 def reused_tokens(before: Mapping[str, float], after: Mapping[str, float]) -> int:
@@ -388,7 +389,8 @@ def run_system(system: System, bench: Bench, floor: ServeProcess | None = None) 
                 print(
                     f"  {system.name}: {length}-token prefixes, {concurrency} in flight: "
                     f"TTFT p50 {runs[-1]['ttft_p50_s']:.3f} s (last round; UCM's loads "
-                    f"{1000 * runs[-1]['ucm_load_s'] / bench.args.prefixes:.1f} ms a request)",
+                    f"{1000 * runs[-1]['ucm_load_s'] / bench.args.prefixes:.1f} ms a request, "
+                    f"steps waited {1000 * runs[-1]['ucm_load_wait_s'] / bench.args.prefixes:.1f})",
                     file=sys.stderr,
                 )
     except RuntimeError as exc:
@@ -435,9 +437,13 @@ def _timed(
     result = Path(bench.work, f"{name}-{length}-{concurrency}.json")
     figures = bench.client(server, length, concurrency, result)
     after = server.metrics()
+
+    def grew(metric: str) -> float:
+        return after.get(metric, 0.0) - before.get(metric, 0.0)
+
     run = {"system": name, "length": length, "concurrency": concurrency, **figures,
-           "reused_tokens": reused_tokens(before, after),
-           "ucm_load_s": after.get(LOAD_SECONDS, 0.0) - before.get(LOAD_SECONDS, 0.0)}  # fmt: skip
+           "reused_tokens": reused_tokens(before, after), "ucm_load_s": grew(LOAD_SECONDS),
+           "ucm_load_wait_s": grew(LOAD_WAIT_SECONDS)}  # fmt: skip
     if beside is not None:
         run["beside"] = beside
     return run
