@@ -379,6 +379,8 @@ def test_a_read_a_layer_at_a_time_is_whole_where_the_store_lends_none(
         batch = Batch(target, [2, 3], keys, store, b"t", nbytes)
         gathered = attrs.evolve(batch, caches=_caches("cpu", 4, 1))  # blocks not runs
         assert mover.start_layered_read(gathered) is None
+        odd = Caches((torch.zeros(BLOCKS, 1, 3, 5, dtype=torch.uint8),))  # 15-byte parts
+        assert mover.start_layered_read(attrs.evolve(batch, caches=odd, nbytes=15)) is None
         with monkeypatch.context() as patch:
             patch.setattr(digest, "_LIBRARY", None)
             assert mover.start_layered_read(batch) is None

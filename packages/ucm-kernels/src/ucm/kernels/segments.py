@@ -165,6 +165,10 @@ class BlockSegments(Sequence[Segments]):
             return None
         return [t for t, (_, _, places) in enumerate(self._data) for _ in places]
 
+    def part_lengths(self) -> list[int]:
+        """Each view's length in bytes (the views of :meth:`part_caches`)."""
+        return [n for _, _, places in self._data for _, n in places]
+
     def part_addresses(self) -> tuple[np.ndarray, np.ndarray]:
         """Where each view of every block's payload starts in memory (uint64, ``[blocks,
         views]``) and each view's length (uint64, ``[views]``): the views of
