@@ -872,3 +872,20 @@ def test_with_layer_wise_loads_off_a_load_ends_before_the_forward_pass(shm_path)
     assert _step(reader, None) == set()
     assert reader.stats.take()["layered_loads"] == 0
     reader.shutdown()
+
+
+def test_a_layered_load_still_copying_when_the_caches_go_away_stops_first_and_fails(
+    shm_path, monkeypatch
+):
+    # vLLM's sleep releases the caches (and a shutdown drops them) between steps: a layered
+    # load still copying stops before they go, within cancel_grace_s, and fails
+    reader, _, _, _, loads = _two_layer_workers(shm_path)
+    _step(reader, None)
+    gated = GatedLayers().install(monkeypatch)
+    threading.Timer(0.3, gated.gate.set).start()  # the second layer's copy is held back
+    reader.start_load_kv(StepPlan(loads=[Transfer("warm", loads)]))
+    reader.release_caches()
+    assert not reader.loads.pending and reader.loads.in_place  # stopped within the grace
+    assert reader.take_load_errors() == {11, 12, 13, 14}
+    assert reader.stats.take()["load_errors:reset"] == 4
+    reader.shutdown()
