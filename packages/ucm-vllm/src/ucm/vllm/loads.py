@@ -120,6 +120,7 @@ class Loads:
         # waited for since the last step ended, and the loads copying (with their deadlines)
         self.layer_wise = layer_wise  # the setting (layer_wise_loads)
         self.layer_index: dict[str, int] = {}
+        self.every_layer: frozenset[int] = frozenset()
         self.layered = False
         self.awaited: set[int] = set()
         self.pending: list[tuple[LoadJob, float]] = []
@@ -136,6 +137,7 @@ class Loads:
         if self.in_place and self.layer_wise:
             group = self.blocks.layout.stored_groups[0]
             self.layer_index = {name: i for i, name in enumerate(group.layer_names)}
+            self.every_layer = frozenset(self.layer_index.values())
 
     def start(self, transfers: list[Transfer]) -> None:
         """Async loads start; sync ones run to the end (scattered, or load errors), or,
@@ -205,10 +207,9 @@ class Loads:
         """The step's forward pass ended: its layered loads are checked and settled (a
         load any of whose layers vLLM did not wait for fails: the forward pass may have read
         it before it landed), and whether vLLM waits for every layer is learned."""
-        every = set(self.layer_index.values())
         seen, self.awaited = self.awaited, set()
         pending, self.pending = self.pending, []
-        waited = bool(every) and seen >= every
+        waited = bool(self.every_layer) and seen >= self.every_layer
         self.stats.add(layered_loads=len(pending))
         started = time.perf_counter()
         for job, deadline in pending:
@@ -219,7 +220,7 @@ class Loads:
         if pending:
             self.stats.add(load_wait_seconds=time.perf_counter() - started)
         if pending and not waited:  # for good: each such step would be recomputed
-            self.layered, self.layer_index = False, {}
+            self.layered, self.layer_index, self.every_layer = False, {}, frozenset()
             log.warning("ucm: vLLM did not wait for every layer's load: loads are whole now on")
         elif waited and self.in_place and not self.layered and not pending:
             self.layered = True
