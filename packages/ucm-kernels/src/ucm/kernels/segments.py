@@ -169,18 +169,18 @@ class BlockSegments(Sequence[Segments]):
         """Each view's length in bytes (the views of :meth:`part_caches`)."""
         return [n for _, _, places in self._data for _, n in places]
 
-    def part_addresses(self) -> tuple[np.ndarray, np.ndarray]:
+    def part_addresses(self) -> np.ndarray:
         """Where each view of every block's payload starts in memory (uint64, ``[blocks,
-        views]``) and each view's length (uint64, ``[views]``): the views of
-        :meth:`part_caches`, without making them (a compiled copy takes addresses)."""
+        views]``): the views of :meth:`part_caches` and :meth:`part_lengths`, without making
+        them (a compiled copy takes addresses)."""
         rows = np.array(self._rows, np.uint64).reshape(len(self._rows), -1)
-        starts, lengths = [], []
+        starts = []
         for flat, step, places in self._data:
             base = address_of(flat)
-            for j, (off, n) in enumerate(places):
-                starts.append(base + off + rows[:, j] * np.uint64(step))
-                lengths.append(n)
-        return np.stack(starts, axis=1), np.array(lengths, np.uint64)
+            starts += [
+                base + off + rows[:, j] * np.uint64(step) for j, (off, _) in enumerate(places)
+            ]
+        return np.stack(starts, axis=1)
 
     @overload
     def __getitem__(self, index: int) -> Segments: ...

@@ -126,7 +126,8 @@ class LayeredCopy:
         self.lent = lent
         results: list[KeyResult | None] = list(lent.task.wait(0))
         copied = [i for i, r in enumerate(results) if r and r.ok and lent.views[i] is not None]
-        starts, lengths = self._segments.part_addresses()
+        starts = self._segments.part_addresses()
+        lengths = np.array(self._segments.part_lengths(), np.uint64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
         dsts = starts[copied]
         slots = np.array([address_of(lent.views[i]) for i in copied], np.uint64)  # type: ignore[arg-type]

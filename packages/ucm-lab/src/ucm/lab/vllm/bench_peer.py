@@ -390,7 +390,8 @@ def run_system(system: System, bench: Bench, floor: ServeProcess | None = None) 
                     f"  {system.name}: {length}-token prefixes, {concurrency} in flight: "
                     f"TTFT p50 {runs[-1]['ttft_p50_s']:.3f} s (last round; UCM's loads "
                     f"{1000 * runs[-1]['ucm_load_s'] / bench.args.prefixes:.1f} ms a request, "
-                    f"steps waited {1000 * runs[-1]['ucm_load_wait_s'] / bench.args.prefixes:.1f})",
+                    f"steps waited "
+                    f"{1000 * runs[-1]['ucm_load_wait_s'] / bench.args.prefixes:.1f} ms)",
                     file=sys.stderr,
                 )
     except RuntimeError as exc:
