@@ -30,5 +30,14 @@ uint64_t ucm_digest_final(const ucm_digest_state *st);
 /* The sum of the terms of ``n`` whole words at ``p``, the first being word ``first`` of its
  * payload: a piece's share of the payload's sum. */
 uint64_t ucm_digest_sum(const uint8_t *p, uint64_t n, uint64_t first);
+/* Copy ``n`` whole words from ``src`` to ``dst`` and return the sum of their terms, the first
+ * being word ``first``: one pass, each word summed as it is stored, so the sum is that of the
+ * bytes written, whatever ``src`` holds meanwhile.  ``stream``: write around the cache (a
+ * store's slot, read again long after); the caller fences before it publishes them. */
+uint64_t ucm_digest_copy_sum(uint8_t *dst, const uint8_t *src, uint64_t n, uint64_t first,
+                             int stream);
+/* ucm_digest_update of ``n`` bytes copied from ``src`` to ``dst`` as they are summed. */
+void ucm_digest_copy(ucm_digest_state *st, uint8_t *dst, const uint8_t *src, size_t n,
+                     int stream);
 
 #endif

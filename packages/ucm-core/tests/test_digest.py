@@ -64,11 +64,29 @@ def test_pieces_sum_on_their_own_and_add_up_to_the_whole(way):
     assert finish(sum(reversed(sums)) & MASK, len(data)) == definition(data)
 
 
-def test_blocks_copied_a_layer_at_a_time_sum_to_their_digests_where_they_landed(way):
+@pytest.fixture(params=[3, 2, 0, "numpy"], ids=["avx512", "avx2", "baseline", "numpy"])
+def form(request, monkeypatch):
+    """Each of the library's word loops (those this processor has), and numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(digest, "_LIBRARY", None)
+        yield request.param
+        return
+    if digest._LIBRARY is None:
+        pytest.skip("the library was not built here (no C compiler)")
+    chosen = digest._LIBRARY.ucm_digest_choose(request.param)
+    if chosen != request.param:
+        pytest.skip(f"this processor has no word loop {request.param}")
+    try:
+        yield chosen
+    finally:
+        digest._LIBRARY.ucm_digest_choose(3)
+
+
+def test_blocks_copied_a_layer_at_a_time_sum_to_their_digests_where_they_landed(form):
     # a layered load: the first layer's parts of every block, then the second's; each
     # part's sum is of the bytes where they landed, and a block's parts add up to its digest
     rng = np.random.default_rng(8)
-    lengths = np.array([8 * 7, 8 * 4096, 8 * 2500, 8 * 2048], np.uint64)  # > a C piece too
+    lengths = np.array([8 * 7, 8 * 4096, 8 * 2501, 8 * 2048], np.uint64)  # around a vector
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
     nbytes = int(lengths.sum())
     blocks = [rng.integers(0, 256, nbytes, np.uint8) for _ in range(3)]

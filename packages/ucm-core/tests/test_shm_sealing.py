@@ -75,8 +75,9 @@ def test_blocks_move_into_slots_and_out_with_the_seal_of_their_bytes(path, offse
 def test_the_compiled_copies_seal_with_the_digest_for_any_length_alignment_and_split(form):
     # each word loop of the library, against numpy's (itself checked against the
     # definition in test_digest.py): lengths around each vector round, random ones up to
-    # 1 MiB, at random alignments of source and slot, fed in random parts (the copy's
-    # streaming) and whole (checks)
+    # 1 MiB, at random alignments of source and slot (a slot's streaming stores start on
+    # the vector's grid), fed in random parts, checked whole, and copied back out into
+    # random parts at random alignments
     _need_library()
     library = native.NATIVE
     chosen = library.ucm_digest_choose(form)
@@ -84,6 +85,7 @@ def test_the_compiled_copies_seal_with_the_digest_for_any_length_alignment_and_s
         rng = random.Random(form)
         source = np.random.default_rng(form).integers(0, 256, 1 << 21, np.uint8).tobytes()
         area = _slots(1 << 21)
+        out = memoryview(bytearray(1 << 21))
         around = [k * 128 + d for k in range(1, 20) for d in (-9, -1, 0, 1, 8)]
         lengths = [*range(1, 300), *around, *(rng.randrange(300, 1 << 20) for _ in range(60))]
         for n in lengths:
@@ -96,6 +98,12 @@ def test_the_compiled_copies_seal_with_the_digest_for_any_length_alignment_and_s
             moved = sealing.move_sealed_batch(None, [(0, 0)], 0, [(parts, slot)], into=True)
             checked = sealing.move_sealed_batch(None, [(0, 0)], 0, [((), slot)], into=False)
             assert (moved, checked) == ([want], [want]), (chosen, n, cuts)
+            assert slot == data
+            landed = out[rng.randrange(64) :][:n]
+            cuts = sorted({0, n, *(rng.randrange(n + 1) for _ in range(rng.randrange(4)))})
+            outs = [landed[a:b] for a, b in zip(cuts, cuts[1:])]
+            loaded = sealing.move_sealed_batch(None, [(0, 0)], 0, [(outs, slot)], into=False)
+            assert loaded == [want] and landed == data, (chosen, n, cuts)
     finally:
         library.ucm_digest_choose(3)
 

@@ -44,7 +44,8 @@ section and each lookup first checks the file's size and refuses a short file wi
 from __future__ import annotations
 
 import collections
-import fcntl
+import ctypes
+import itertools
 import mmap
 import os
 import threading
@@ -54,12 +55,15 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
+from ucm.core.native import NATIVE_HELD
 from ucm.core.store.dram.files import (
     LOCK_FILE,
     ArenaBusy,
     check_folder,
+    file_size,
     flock_until,
     open_own_or_create,
+    unlock,
 )
 from ucm.core.store.dram.index import (
     EMPTY,
@@ -110,6 +114,12 @@ LEASE_NS = 30_000_000_000
 #: cost of 100-200 us, under the loop's from about 64 keys on a small VM) where nothing
 #: unusual happens (no duplicate key, every slot as expected); the others key by key
 VECTOR_MIN_KEYS = 64
+#: the compiled library (``native/arena_pins.c``: a batch's pins and unpins in one call,
+#: holding the GIL), None in a pure-Python wheel (tests set it None)
+_LIBRARY = NATIVE_HELD
+#: the sections the compiled pins read and write, in the order of its ``cols`` argument
+_PIN_COLUMNS = ("state", "pins", "gen", "key0", "key1", "length", "layout", "last_used",
+                "lease", "seal", "ik0", "ik1", "islot")  # fmt: skip
 #: the longest wait for the lock on the engine's path (a holder stopped, not killed, would
 #: otherwise stall every process of the host); the call then fails as a miss or an error
 LOCK_WAIT_S = 2.0
@@ -272,6 +282,13 @@ class Arena:
         self._len, self._layout, self._used = mv["length"], mv["layout"], mv["last_used"]
         self._lease, self._seal, self._free = mv["lease"], mv["seal"], mv["free"]
         self._salt = int(self._sb[SB_SALT])
+        # the superblock's and the pinned sections' addresses, for the compiled pins: the
+        # mapping lives until close(), and the calls run under the lock, never after it
+        sb = np.frombuffer(meta, "<u8", count=PAGE // 8)
+        self._pin_columns = np.array(
+            [sb.ctypes.data, *(self.np[name].ctypes.data for name in _PIN_COLUMNS)], np.uint64
+        )
+        del sb
         self._index = Index(mv["ik0"], mv["ik1"], mv["islot"], self._salt, self.geometry.buckets)
         self._islot = mv["islot"]
 
@@ -331,14 +348,13 @@ class Arena:
                     self._rebuild_index()
                 sb[SB_DIRTY] = 0
             finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                unlock(self._lock_fd)
         finally:
             self._thread_lock.release()
 
     def _check_size(self) -> None:
-        # lseek to the end: the file's size in one call (an fstat costs several times more
-        # in Python); nothing reads this descriptor at its offset
-        if os.lseek(self._fd, 0, os.SEEK_END) < self._file_bytes:
+        # nothing reads this descriptor at its offset
+        if file_size(self._fd) < self._file_bytes:
             raise ArenaDamaged(
                 f"{self.folder}/{ARENA_FILE} is shorter than its geometry: another process of "
                 f"uid {os.geteuid()} cut it; every engine using it must be restarted (see "
@@ -727,9 +743,13 @@ class Arena:
         sb = self._sb
         slots = self.geometry.slots
         words = (
-            np.array(keys, dtype=np.uint64).reshape(-1, 2) if len(keys) >= VECTOR_MIN_KEYS else None
+            np.array(keys, dtype=np.uint64).reshape(-1, 2)
+            if len(keys) >= VECTOR_MIN_KEYS and _LIBRARY is None
+            else None
         )
         with self.locked(wait_s):
+            if _LIBRARY is not None:
+                return self._pin_compiled(keys, now)
             if words is not None:
                 pinned = self._pin_all(words, now)
                 if pinned is not None:
@@ -749,6 +769,26 @@ class Arena:
                 seal = bytes(self._seal[s * SEAL_BYTES : (s + 1) * SEAL_BYTES])
                 out.append(Pinned(s, self._gen[s], self._len[s], self._layout[s], seal))
         return out
+
+    def _pin_compiled(self, keys: Sequence[tuple[int, int]], now: int) -> list[Pinned | None]:
+        """:meth:`pin`'s loop in one compiled call (caller holds the lock)."""
+        assert _LIBRARY is not None
+        n, slots = len(keys), self.geometry.slots
+        words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
+        rows = np.empty((n, 4), np.uint64)
+        seals = ctypes.create_string_buffer(SEAL_BYTES * n)
+        longest = _LIBRARY.ucm_arena_pin(
+            self._pin_columns.ctypes.data, slots, self.geometry.buckets, self._salt, n,
+            words.ctypes.data, now + LEASE_NS, rows.ctypes.data, seals,
+        )  # fmt: skip
+        self._index.long_walk |= longest > LONG_WALK
+        raw = seals.raw
+        return [
+            Pinned(s, gen, length, layout, raw[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
+            if s < slots
+            else None
+            for k, (s, gen, length, layout) in enumerate(rows.tolist())
+        ]
 
     def _pin_all(self, words: np.ndarray, now: int) -> list[Pinned | None] | None:
         """:meth:`pin`'s loop with numpy (caller holds the lock); None where a key appears
@@ -792,11 +832,21 @@ class Arena:
         out = []
         now = time.monotonic_ns()
         with self.locked(wait_s):
-            for p in pinned:
-                same = self._gen[p.slot] == p.gen
-                out.append(same)
-                if same:
-                    self._unpin_one(p, False, now)
+            if _LIBRARY is not None and pinned:
+                held = np.fromiter(itertools.chain.from_iterable((p.slot, p.gen) for p in pinned),
+                                   np.uint64, 2 * len(pinned))  # fmt: skip
+                same = ctypes.create_string_buffer(len(pinned))
+                _LIBRARY.ucm_arena_unpin(
+                    self._pin_columns.ctypes.data, self.geometry.slots, len(pinned),
+                    held.ctypes.data, same,
+                )  # fmt: skip
+                out = [bool(b) for b in same.raw]
+            else:
+                for p in pinned:
+                    same = self._gen[p.slot] == p.gen
+                    out.append(same)
+                    if same:
+                        self._unpin_one(p, False, now)
             if bad:
                 self._seq_begin()
                 for p in bad:
