@@ -295,12 +295,17 @@ def _arena_books(store: SharedMemoryStore) -> dict:
 
 @pytest.mark.parametrize("vector", [True, False])
 def test_large_batches_are_published_and_pinned_as_key_by_key(shm_dir, monkeypatch, vector):
-    # numpy for the batches where nothing unusual happens, the loop otherwise: the books
-    # must come out the same either way, the unusual cases included (a key twice, one
-    # published meanwhile by another writer, a slot given back unwritten, misses)
+    # numpy for the batches where nothing unusual happens, the loop otherwise, and pins and
+    # unpins in one compiled call: the books must come out the same every way, the unusual
+    # cases included (a key twice, one published meanwhile by another writer, a slot given
+    # back unwritten, misses)
     runs = {}
-    for way in ("numpy", "loop"):
+    compiled = arena_module._LIBRARY
+    for way in ("numpy", "compiled", "loop"):
+        if way == "compiled" and compiled is None:
+            continue  # a pure-Python wheel
         monkeypatch.setattr(arena_module, "VECTOR_MIN_KEYS", 32 if way == "numpy" else 10**9)
+        monkeypatch.setattr(arena_module, "_LIBRARY", compiled if way == "compiled" else None)
         root = shm_dir / way
         store = open_store(root, block=4096)
         a = store._arena
@@ -314,11 +319,15 @@ def test_large_batches_are_published_and_pinned_as_key_by_key(shm_dir, monkeypat
         assert a.publish(written, words) == [i != 5 or vector for i in range(64)]
         pins = a.pin(words + [(5, 5)] + ([words[0]] if not vector else []))
         assert pins[64] is None  # a miss
+        held = _arena_books(store)
         a.unpin([p for p in pins if p is not None])
-        runs[way] = (_arena_books(store), [None if p is None else p[2:] for p in pins])
+        runs[way] = (held, _arena_books(store), [None if p is None else p[2:] for p in pins])
         store.close()
-    books, pinned = runs["numpy"]
-    want_books, want_pinned = runs["loop"]
-    assert pinned == want_pinned
-    for name in want_books:
-        np.testing.assert_array_equal(np.asarray(books[name]), np.asarray(want_books[name]), name)
+    *want_books, want_pinned = runs.pop("loop")
+    for way, (*books, pinned) in runs.items():
+        assert pinned == want_pinned, way
+        for when, (got, want) in enumerate(zip(books, want_books)):
+            for name in want:
+                np.testing.assert_array_equal(
+                    np.asarray(got[name]), np.asarray(want[name]), f"{way}, {when}: {name}"
+                )

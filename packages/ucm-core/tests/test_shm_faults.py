@@ -315,20 +315,53 @@ def test_a_live_writer_keeps_its_slots_through_a_recovery_in_another_pid_namespa
 # -- a load checks the key in the slot, signed or not --
 
 
-def test_an_index_entry_pointing_at_another_block_serves_nothing(shm_dir):
+@pytest.fixture(params=["compiled", "python"])
+def pins(request, monkeypatch):
+    """The arena's pins in one compiled call, or key by key in Python."""
+    if request.param == "compiled" and arena_module._LIBRARY is None:
+        pytest.skip("the library was not built here (no C compiler)")
+    if request.param == "python":
+        monkeypatch.setattr(arena_module, "_LIBRARY", None)
+    return request.param
+
+
+def test_an_index_entry_pointing_at_another_block_serves_nothing(shm_dir, pins):
     store = open_store(shm_dir)
     try:
-        keys = [key(1), key(2)]
-        assert all(r.ok for r in store.wait(store.dump(keys, [blob(1, BLOCK), blob(2, BLOCK)])))
+        keys = [key(1), key(2), key(3)]
+        blobs = [blob(i, BLOCK) for i in (1, 2, 3)]
+        assert all(r.ok for r in store.wait(store.dump(keys, blobs)))
         arena = store._arena
-        w1, w2 = store._words(keys)
+        w1, w2, w3 = store._words(keys)
         with arena.locked():  # a same-user bug redirects key 1's entry to key 2's slot
-            b1, b2 = arena._index.find(*w1), arena._index.find(*w2)
+            b1, b2, b3 = (arena._index.find(*w) for w in (w1, w2, w3))
             arena._islot[b1] = arena._islot[b2]
-        out = bytearray(BLOCK)
-        assert store.wait(store.load(keys[:1], [out]))[0].status is Status.MISS
-        assert bytes(out) == bytes(BLOCK)
-        assert store.lookup(keys) == [False, True]
+            arena._islot[b3] = arena.geometry.slots + 5  # and key 3's past the arena
+        out = [bytearray(BLOCK) for _ in keys]
+        got = store.wait(store.load(keys, out))
+        assert [r.status for r in got] == [Status.MISS, Status.OK, Status.MISS]
+        assert [bytes(o) for o in out] == [bytes(BLOCK), blobs[1].tobytes(), bytes(BLOCK)]
+        assert store.lookup(keys) == [False, True, False]
+        with arena.locked():
+            assert int(arena.np["pins"].sum()) == 0  # the one pin taken was let go
+    finally:
+        store.close()
+
+
+def test_pins_walk_an_index_without_an_empty_bucket_within_its_bound(shm_dir, pins):
+    # every bucket a tombstone (the compiled walk too): misses, and the index rebuilt on
+    # the way out of the lock, so the next load finds every block again
+    store = open_store(shm_dir)
+    try:
+        keys = [key(i) for i in range(40)]
+        assert all(r.ok for r in store.wait(store.dump(keys, [blob(i, BLOCK) for i in range(40)])))
+        arena = store._arena
+        with arena.locked():
+            arena.np["islot"][:] = TOMB
+        assert [p is None for p in arena.pin(store._words(keys))] == [True] * 40
+        out = [bytearray(BLOCK) for _ in keys]
+        assert all(r.ok for r in store.wait(store.load(keys, out), 30))
+        assert all(bytes(o) == blob(i, BLOCK).tobytes() for i, o in enumerate(out))
     finally:
         store.close()
 

@@ -54,7 +54,8 @@ from ucm.core.store.dram import sealing
 from ucm.core.store.dram.sealing import compiled, move_sealed_batch
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
-#: the cases that copy into a pool of pre-faulted blocks, made for them and dropped after
+#: the cases that copy into a pool of pre-faulted blocks, made once a block size and dropped
+#: after its rounds
 POOLED = ("memcpy", "sealed copies")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -182,17 +183,20 @@ def _interleaved(
     the runs of one case after another set a case against a baseline timed at another
     speed."""
     timings: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in cases}
-    with tqdm(total=repeat * len(cases), desc=label, disable=None, file=sys.stderr) as bar:
-        for _ in range(repeat):
-            for name, run, _ in cases:
-                pooled = name in POOLED or name.startswith("memcpy x")
-                if pooled:
-                    pool[:] = [aligned(size) for _ in range(n)]
-                try:
+    if any(name in POOLED or name.startswith("memcpy x") for name, _, _ in cases):
+        # made once for every round: a pool made and dropped around each case left the
+        # next case slower on a VM whose freed memory goes back to its host (page
+        # reporting: dram dumps at 256 KiB 15-21 GB/s after a dropped pool, 20-28 with
+        # it kept)
+        pool[:] = [aligned(size) for _ in range(n)]
+    try:
+        with tqdm(total=repeat * len(cases), desc=label, disable=None, file=sys.stderr) as bar:
+            for _ in range(repeat):
+                for name, run, _ in cases:
                     timings[name].append(run())
-                finally:
-                    pool.clear()
-                bar.update()
+                    bar.update()
+    finally:
+        pool.clear()
     return timings
 
 

@@ -66,6 +66,7 @@ def move_sealed_batch(
 
 def _moved(moves: Sequence[Move], into: bool) -> list[bytes]:
     assert _LIBRARY is not None
+    n = len(moves)
     slots = [slot for _parts, slot in moves]
     lengths = [slot.nbytes for slot in slots]
     counts = [len(parts) for parts, _slot in moves]
@@ -74,12 +75,13 @@ def _moved(moves: Sequence[Move], into: bool) -> list[bytes]:
         if not all(counts):
             raise ValueError("a batch either copies every block or only checks them")
         # the library copies what the lengths say: never more than a slot's view holds
-        at = 0
-        for i, (count, length) in enumerate(zip(counts, lengths)):
-            if sum([part.nbytes for part in parts[at : at + count]]) != length:
-                raise ValueError(f"block {i}'s parts do not add up to its {length} bytes")
-            at += count
-    n = len(moves)
+        # (most batches: a part a block, checked in one comparison)
+        if len(parts) != n or [part.nbytes for part in parts] != lengths:
+            at = 0
+            for i, (count, length) in enumerate(zip(counts, lengths)):
+                if sum([part.nbytes for part in parts[at : at + count]]) != length:
+                    raise ValueError(f"block {i}'s parts do not add up to its {length} bytes")
+                at += count
     # rows of uint64: each block's slot address, length, parts and (out) seal; each part's
     # address and length (one array each, their rows found by offset: ctypes' own
     # conversions cost microseconds apiece)
