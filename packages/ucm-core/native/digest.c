@@ -6,10 +6,12 @@
  * on one core.  The AVX2 and AVX-512 forms are picked at run time.
  *
  * The stores' copies sum each word in the same pass that copies it (ucm_digest_copy_sum):
- * the words are in registers already, so the sum costs no second read.  Copying a piece
- * and then summing it from the cache moved 20 GB/s on one core of a Zen 4 VM (256 KiB
- * blocks out of a 1 GiB arena), the one pass 24-26; into the arena, with streaming stores,
- * 34 and 42 (memcpy: 30). */
+ * the words are in registers already, so the sum costs no second read, and it is the sum of
+ * exactly what was written.  On one core of a Zen 5 VM (256 KiB blocks out of a 1 GiB
+ * arena) copying a 16 KiB piece and then summing it from the cache moved 20 GB/s, the one
+ * pass 24-27; into the arena, with streaming stores, 34-35 and 39-43 (memcpy: 30).  An
+ * earlier fused AVX-512 loop measured 4-7 % slower than the pieces on an Intel Xeon with
+ * AMX (docs/benchmarks.md): `ucm bench store` shows what a host gets. */
 #include "digest.h"
 
 #include <string.h>
