@@ -1,5 +1,5 @@
 """Build ucm-core's one compiled part (``native/``): the block digest, the dram store's
-sealed copies and pins, and the posix store's digested reads.
+sealed copies, pins, lock and loads, and the posix store's digested reads.
 
 It is a plain shared library loaded with ctypes, not a Python extension, so one wheel serves
 every Python version of a platform (``py3-none-<platform>``).  Where no C compiler is found,
@@ -22,8 +22,15 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 LIBRARY = "ucm/core/libucm_native.so"
-SOURCES = ["native/digest.c", "native/sealed_moves.c", "native/arena_pins.c", "native/file_reads.c"]
-FLAGS = ["-O3", "-fPIC", "-shared", "-fvisibility=hidden"]
+SOURCES = [
+    "native/digest.c",
+    "native/sealed_moves.c",
+    "native/arena_pins.c",
+    "native/arena_lock.c",
+    "native/arena_loads.c",
+    "native/file_reads.c",
+]
+FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden"]
 
 
 class CompiledMoves(BuildHookInterface):

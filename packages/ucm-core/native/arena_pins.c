@@ -10,33 +10,19 @@
  * Every word of the arena is hostile (another process of the user may have written
  * anything): a slot number from the index is used only below ``slots``, and an index walk
  * takes at most one step per bucket. */
-#include <stddef.h>
-#include <stdint.h>
 #include <string.h>
+
+#include "arena.h"
 
 #define EMPTY 0xFFFFFFFFu
 #define TOMB 0xFFFFFFFEu
 #define READY 2u
 #define MIX 0x9E3779B97F4A7C15ULL
-#define SEAL_BYTES 32
 #define SB_TICK 5
 
-/* The sections the calls read and write, their addresses in this order in ``cols``. */
-enum { C_SB, C_STATE, C_PINS, C_GEN, C_KEY0, C_KEY1, C_LENGTH, C_LAYOUT, C_USED, C_LEASE,
-       C_SEAL, C_IK0, C_IK1, C_ISLOT, C_COUNT };
-
-typedef struct {
-    uint64_t *sb;
-    uint32_t *state, *pins, *gen;
-    uint64_t *key0, *key1, *length, *layout, *used;
-    int64_t *lease;
-    uint8_t *seal;
-    uint64_t *ik0, *ik1;
-    uint32_t *islot;
-} arena;
-
-static arena columns(const uint64_t *cols) {
-    arena a;
+ucm_arena ucm_arena_columns(const uint64_t *cols, uint64_t slots, uint64_t buckets,
+                            uint64_t salt) {
+    ucm_arena a;
     a.sb = (uint64_t *)(uintptr_t)cols[C_SB];
     a.state = (uint32_t *)(uintptr_t)cols[C_STATE];
     a.pins = (uint32_t *)(uintptr_t)cols[C_PINS];
@@ -51,14 +37,16 @@ static arena columns(const uint64_t *cols) {
     a.ik0 = (uint64_t *)(uintptr_t)cols[C_IK0];
     a.ik1 = (uint64_t *)(uintptr_t)cols[C_IK1];
     a.islot = (uint32_t *)(uintptr_t)cols[C_ISLOT];
+    a.slots = slots, a.buckets = buckets, a.salt = salt;
     return a;
 }
 
-/* The bucket holding the key, or -1 (index.py: Index.find); ``*walk`` gets the steps. */
-static int64_t find(const arena *a, uint64_t buckets, uint64_t salt, uint64_t k0, uint64_t k1,
-                    uint64_t *walk) {
-    uint64_t mask = buckets - 1, i = ((k0 ^ salt) * MIX) >> (64 - __builtin_ctzll(buckets));
-    for (uint64_t step = 0; step < buckets; step++) {
+/* The bucket holding the key, or -1 (index.py: Index.find); ``*walk`` gets the steps.
+ * ``buckets`` is a power of two, at least 2. */
+static int64_t find(const ucm_arena *a, uint64_t k0, uint64_t k1, uint64_t *walk) {
+    uint64_t mask = a->buckets - 1;
+    uint64_t i = ((k0 ^ a->salt) * MIX) >> (64 - __builtin_ctzll(a->buckets));
+    for (uint64_t step = 0; step < a->buckets; step++) {
         uint32_t s = a->islot[i];
         if (s == EMPTY || (s != TOMB && a->ik0[i] == k0 && a->ik1[i] == k1)) {
             *walk = step;
@@ -66,58 +54,69 @@ static int64_t find(const arena *a, uint64_t buckets, uint64_t salt, uint64_t k0
         }
         i = (i + 1) & mask;
     }
-    *walk = buckets; /* no EMPTY bucket at all: only a damaged index */
+    *walk = a->buckets; /* no EMPTY bucket at all: only a damaged index */
     return -1;
 }
 
-/* Pin the stored keys' slots for reading (arena.py: Arena.pin): key i is words
- * ``keys[2i], keys[2i+1]``; only a READY slot whose own key columns are the key's is
- * taken (the index entry is a hint): its pins counted up, its lease made to run at least
- * until ``lease_until``, its use ticked.  Row i of ``rows`` gets the slot, its gen, length
- * and layout (the slot ``slots`` where the key is not stored), and ``seals`` its 32-byte
- * seal.  ``buckets`` is a power of two, at least 2.  Returns the longest index walk. */
-__attribute__((visibility("default"))) uint64_t ucm_arena_pin(
-    const uint64_t *cols, uint64_t slots, uint64_t buckets, uint64_t salt, uint64_t n,
-    const uint64_t *keys, int64_t lease_until, uint64_t *rows, uint8_t *seals) {
-    arena a = columns(cols);
+/* Only a READY slot whose own key columns are the key's is taken (the index entry is a
+ * hint): its pins counted up, its lease made to run at least until ``lease_until``, its
+ * use ticked (arena.py: Arena.pin). */
+uint64_t ucm_arena_pin_keys(const ucm_arena *a, uint64_t n, const uint64_t *keys,
+                            int64_t lease_until, uint64_t *rows, uint8_t *seals) {
     uint64_t longest = 0;
     for (uint64_t k = 0; k < n; k++) {
         uint64_t k0 = keys[2 * k], k1 = keys[2 * k + 1], walk;
-        int64_t b = find(&a, buckets, salt, k0, k1, &walk);
+        int64_t b = find(a, k0, k1, &walk);
         longest = walk > longest ? walk : longest;
-        uint64_t s = b >= 0 ? a.islot[b] : slots;
+        uint64_t s = b >= 0 ? a->islot[b] : a->slots;
         uint64_t *row = rows + 4 * k;
-        if (s >= slots || a.state[s] != READY || a.key0[s] != k0 || a.key1[s] != k1) {
-            row[0] = slots, row[1] = row[2] = row[3] = 0;
-            memset(seals + SEAL_BYTES * k, 0, SEAL_BYTES);
+        if (s >= a->slots || a->state[s] != READY || a->key0[s] != k0 || a->key1[s] != k1) {
+            row[0] = a->slots, row[1] = row[2] = row[3] = 0;
+            memset(seals + UCM_SEAL_BYTES * k, 0, UCM_SEAL_BYTES);
             continue;
         }
-        a.pins[s] += 1;
-        if (a.lease[s] < lease_until)
-            a.lease[s] = lease_until;
-        a.used[s] = ++a.sb[SB_TICK];
-        row[0] = s, row[1] = a.gen[s], row[2] = a.length[s], row[3] = a.layout[s];
-        memcpy(seals + SEAL_BYTES * k, a.seal + SEAL_BYTES * s, SEAL_BYTES);
+        a->pins[s] += 1;
+        if (a->lease[s] < lease_until)
+            a->lease[s] = lease_until;
+        a->used[s] = ++a->sb[SB_TICK];
+        row[0] = s, row[1] = a->gen[s], row[2] = a->length[s], row[3] = a->layout[s];
+        memcpy(seals + UCM_SEAL_BYTES * k, a->seal + UCM_SEAL_BYTES * s, UCM_SEAL_BYTES);
     }
     return longest;
 }
 
-/* Let go of pins (arena.py: Arena.unpin): pin i is slot ``pinned[2i]`` at gen
- * ``pinned[2i+1]``.  ``same[i]`` gets whether the slot is still the one pinned (else its
- * lease ran out and it was reused: nothing to let go of); a slot's lease ends with its
- * last pin. */
+/* A slot's lease ends with its last pin (arena.py: Arena.unpin); a slot whose gen moved
+ * was reused after its lease ran out: nothing to let go of. */
+void ucm_arena_unpin_pins(const ucm_arena *a, uint64_t n, const uint64_t *pinned,
+                          uint8_t *same) {
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t s = pinned[2 * k];
+        same[k] = s < a->slots && a->gen[s] == pinned[2 * k + 1];
+        if (!same[k])
+            continue;
+        if (a->pins[s])
+            a->pins[s] -= 1;
+        if (a->pins[s] == 0)
+            a->lease[s] = 0;
+    }
+}
+
+/* Pin the stored keys' slots for reading (caller holds the lock): key i is words
+ * ``keys[2i], keys[2i+1]``; row i of ``rows`` gets the slot, its gen, length and layout
+ * (the slot ``slots`` where the key is not stored), and ``seals`` its 32-byte seal.
+ * Returns the longest index walk. */
+__attribute__((visibility("default"))) uint64_t ucm_arena_pin(
+    const uint64_t *cols, uint64_t slots, uint64_t buckets, uint64_t salt, uint64_t n,
+    const uint64_t *keys, int64_t lease_until, uint64_t *rows, uint8_t *seals) {
+    ucm_arena a = ucm_arena_columns(cols, slots, buckets, salt);
+    return ucm_arena_pin_keys(&a, n, keys, lease_until, rows, seals);
+}
+
+/* Let go of pins (caller holds the lock): pin i is slot ``pinned[2i]`` at gen
+ * ``pinned[2i+1]``; ``same[i]`` gets whether the slot is still the one pinned. */
 __attribute__((visibility("default"))) void ucm_arena_unpin(const uint64_t *cols, uint64_t slots,
                                                            uint64_t n, const uint64_t *pinned,
                                                            uint8_t *same) {
-    arena a = columns(cols);
-    for (uint64_t k = 0; k < n; k++) {
-        uint64_t s = pinned[2 * k];
-        same[k] = s < slots && a.gen[s] == pinned[2 * k + 1];
-        if (!same[k])
-            continue;
-        if (a.pins[s])
-            a.pins[s] -= 1;
-        if (a.pins[s] == 0)
-            a.lease[s] = 0;
-    }
+    ucm_arena a = ucm_arena_columns(cols, slots, 2, 0);
+    ucm_arena_unpin_pins(&a, n, pinned, same);
 }

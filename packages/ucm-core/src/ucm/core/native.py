@@ -38,6 +38,21 @@ def _load(kind: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL | None:
     library.ucm_arena_pin.restype = u64
     library.ucm_arena_unpin.argtypes = [p, u64, u64, p, p]
     library.ucm_arena_unpin.restype = None
+    i64 = ctypes.c_int64
+    library.ucm_lock_new.argtypes = []
+    library.ucm_lock_new.restype = p
+    for name in ("ucm_lock_free", "ucm_lock_release", "ucm_lock_close"):
+        getattr(library, name).argtypes = [p]
+        getattr(library, name).restype = None
+    library.ucm_lock_try.argtypes = [p]
+    library.ucm_lock_try.restype = c_int
+    library.ucm_lock_until.argtypes = [p, i64]
+    library.ucm_lock_until.restype = c_int
+    library.ucm_arena_load_chunk.argtypes = [
+        p, c_int, c_int, u64, p, u64, u64, u64, u64, u64, u64, p, p, u64, p, p, p, i64, i64,
+        p, p, p, p,
+    ]  # fmt: skip
+    library.ucm_arena_load_chunk.restype = c_int
     library.ucm_digest_choose.argtypes = [ctypes.c_int]
     library.ucm_digest_choose.restype = ctypes.c_int
     return library

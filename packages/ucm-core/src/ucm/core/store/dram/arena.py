@@ -55,7 +55,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
-from ucm.core.native import NATIVE_HELD
+from ucm.core.native import NATIVE, NATIVE_HELD
 from ucm.core.store.dram.files import (
     LOCK_FILE,
     ArenaBusy,
@@ -101,6 +101,7 @@ from ucm.core.store.dram.layout import (
     unused,
 )
 from ucm.core.store.dram.writers import WriterLocks
+from ucm.core.store.payload import address_of
 
 __all__ = [
     "ARENA_FILE", "Arena", "ArenaBusy", "ArenaDamaged", "ArenaMismatch", "Geometry",
@@ -148,6 +149,74 @@ class Pinned(NamedTuple):
     seal: bytes
 
 
+#: what :meth:`Arena.load_compiled` says of each key, and of the call (arena_loads.c)
+NOT_STORED, LOADED, OTHER_BLOCK, CORRUPT = 0, 1, 2, 3
+_LOAD_DONE, _LOAD_BUSY = 0, 1
+_F_LONG_WALK, _F_UNPINNED_LATER = 1, 2
+
+
+def _pins_of(rows: np.ndarray, seals: bytes, slots: int) -> list[Pinned | None]:
+    """The pins of ``(n, 4)`` rows of slot, gen, length and layout and their seals, 32
+    bytes a row (None where the slot is ``slots``: no pin)."""
+    return [
+        Pinned(s, gen, length, layout, seals[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
+        if s < slots
+        else None
+        for k, (s, gen, length, layout) in enumerate(rows.tolist())
+    ]
+
+
+class ProcessLock:
+    """The lock this process's threads take over an arena before its ``flock`` (which does
+    not exclude threads that share one open file): the compiled library's mutex where it is
+    built, so that its loads (:meth:`Arena.load_compiled`) take the very same lock, else a
+    ``threading.Lock``.  Waits are bounded (:meth:`acquire`); only the GIL-free wait lets
+    it go."""
+
+    def __init__(self) -> None:
+        self._handle = NATIVE_HELD.ucm_lock_new() if NATIVE_HELD is not None else None
+        self._lock = threading.Lock() if not self._handle else None
+
+    @property
+    def handle(self) -> int | None:
+        """The compiled mutex (None: a ``threading.Lock``)."""
+        return self._handle
+
+    def acquire(self, timeout: float) -> bool:
+        if self._lock is not None:
+            return self._lock.acquire(timeout=timeout)
+        assert NATIVE is not None and NATIVE_HELD is not None
+        if NATIVE_HELD.ucm_lock_try(self._handle):  # free: taken holding the GIL
+            return True
+        deadline = time.monotonic_ns() + int(timeout * 1e9)
+        return bool(NATIVE.ucm_lock_until(self._handle, deadline))  # waits without the GIL
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+        else:
+            assert NATIVE_HELD is not None
+            NATIVE_HELD.ucm_lock_release(self._handle)
+
+    def close(self) -> None:
+        """Mark the arena closed for the compiled loads (the caller holds the lock)."""
+        if self._handle:
+            assert NATIVE_HELD is not None
+            NATIVE_HELD.ucm_lock_close(self._handle)
+
+    def __enter__(self) -> ProcessLock:
+        self.acquire(1e9)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:  # nobody can hold or wait for it any more
+        if getattr(self, "_handle", None) and NATIVE_HELD is not None:
+            NATIVE_HELD.ucm_lock_free(self._handle)
+            self._handle = None
+
+
 class Arena:
     """The arena file of ``folder``, mapped.  Thread-safe (one lock per process over the
     file's ``flock``, which does not exclude threads that share one open file)."""
@@ -161,7 +230,7 @@ class Arena:
         self._lock_fd = open_own_or_create(os.path.join(folder, LOCK_FILE))
         self._writers = WriterLocks(folder)
         self._owner_word = 0  # this writer's number + 1, once it has one
-        self._thread_lock = threading.Lock()
+        self._thread_lock = ProcessLock()
         self._closed = False
         #: slots (slot, gen) this process reserved and pins it holds, to give back at its
         #: next hold of the lock (a hold that failed could not)
@@ -303,6 +372,7 @@ class Arena:
             if self._closed:
                 return
             self._closed = True
+            self._thread_lock.close()
             self.np.clear()
             self._index = None  # type: ignore[assignment]
             for view in reversed(self._views):
@@ -782,13 +852,76 @@ class Arena:
             words.ctypes.data, now + LEASE_NS, rows.ctypes.data, seals,
         )  # fmt: skip
         self._index.long_walk |= longest > LONG_WALK
-        raw = seals.raw
-        return [
-            Pinned(s, gen, length, layout, raw[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
-            if s < slots
-            else None
-            for k, (s, gen, length, layout) in enumerate(rows.tolist())
-        ]
+        return _pins_of(rows, seals.raw, slots)
+
+    def load_compiled(
+        self,
+        keys: Sequence[tuple[int, int]],
+        nbytes: Sequence[int],
+        parts: Sequence[Sequence[memoryview]],
+        layout: int,
+        wait_s: float = LOCK_WAIT_S,
+    ) -> tuple[list[int], list[Pinned | None]] | None:
+        """Load blocks in one compiled call that lets go of the GIL throughout
+        (``native/arena_loads.c``): key ``i``'s block, ``nbytes[i]`` bytes of layout word
+        ``layout``, lands in ``parts[i]`` (flat byte views, their lengths adding up to it),
+        copied under a pin and checked against its seal as it lands.  Per key a code
+        (``LOADED``, ``NOT_STORED``, ``OTHER_BLOCK``: stored with another length or layout,
+        ``CORRUPT``: dropped from the arena) and its pin (None where none was taken).  None
+        where the library is not built, this process owes the arena books, or the arena is
+        closed, cut short or being mended: :meth:`pin` and the copies in Python answer
+        then.  :class:`ArenaBusy` where the lock was not had within ``wait_s``."""
+        lock = self._thread_lock.handle
+        if _LIBRARY is None or NATIVE is None or not lock or self._closed:
+            return None
+        if self._owed_writes or self._owed_pins or self.data is None:
+            return None
+        n = len(keys)
+        try:  # held: the sections and the slots stay mapped while the call uses them
+            meta, data = memoryview(self._meta), self.data[:]
+        except ValueError:  # closed meanwhile
+            return None
+        try:
+            words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
+            flat = [part for block in parts for part in block]
+            pieces = np.array([[address_of(p) for p in flat], [p.nbytes for p in flat]],
+                              np.uint64).reshape(2, -1)  # fmt: skip
+            counts = np.fromiter(map(len, parts), np.uint64, n)
+            sizes = np.fromiter(nbytes, np.uint64, n)
+            rows = np.empty((n, 4), np.uint64)
+            seals = ctypes.create_string_buffer(SEAL_BYTES * n)
+            codes = np.zeros(n, np.uint8)
+            flags = ctypes.c_uint64(0)
+            g = self.geometry
+            done = NATIVE.ucm_arena_load_chunk(
+                lock, self._lock_fd, self._fd, self._file_bytes, self._pin_columns.ctypes.data,
+                g.slots, g.buckets, self._salt, address_of(data), g.slot_bytes,
+                n, words.ctypes.data, sizes.ctypes.data, layout, counts.ctypes.data,
+                pieces[0].ctypes.data, pieces[1].ctypes.data, LEASE_NS, int(wait_s * 1e9),
+                rows.ctypes.data, seals, codes.ctypes.data, ctypes.byref(flags),
+            )  # fmt: skip
+        finally:
+            meta.release()
+            data.release()
+        if done == _LOAD_BUSY:
+            raise ArenaBusy(f"the arena in {self.folder} stayed locked for {wait_s} s")
+        if done != _LOAD_DONE:
+            return None
+        pins = _pins_of(rows, seals.raw, g.slots)
+        if flags.value & _F_UNPINNED_LATER:  # let go at this process's next hold
+            self.owe_pins([p for p in pins if p is not None])
+            raise ArenaBusy(f"the arena in {self.folder} stayed locked for {wait_s} s")
+        found = codes.tolist()
+        bad = [pin for pin, code in zip(pins, found) if code == CORRUPT]
+        if flags.value & _F_LONG_WALK or bad:
+            # the index rebuilt on the way out of the lock; the failed blocks dropped
+            # unless another reader holds them (else the next load that fails drops them)
+            self._index.long_walk |= bool(flags.value & _F_LONG_WALK)
+            try:
+                self.unpin([], bad, wait_s)  # type: ignore[arg-type]
+            except ArenaBusy:
+                pass
+        return found, pins
 
     def _pin_all(self, words: np.ndarray, now: int) -> list[Pinned | None] | None:
         """:meth:`pin`'s loop with numpy (caller holds the lock); None where a key appears
@@ -835,12 +968,12 @@ class Arena:
             if _LIBRARY is not None and pinned:
                 held = np.fromiter(itertools.chain.from_iterable((p.slot, p.gen) for p in pinned),
                                    np.uint64, 2 * len(pinned))  # fmt: skip
-                same = ctypes.create_string_buffer(len(pinned))
+                kept = ctypes.create_string_buffer(len(pinned))
                 _LIBRARY.ucm_arena_unpin(
                     self._pin_columns.ctypes.data, self.geometry.slots, len(pinned),
-                    held.ctypes.data, same,
+                    held.ctypes.data, kept,
                 )  # fmt: skip
-                out = [bool(b) for b in same.raw]
+                out = [bool(b) for b in kept.raw]
             else:
                 for p in pinned:
                     same = self._gen[p.slot] == p.gen

@@ -1,0 +1,37 @@
+/* The dram arena's sections as the compiled calls see them (ucm/core/store/dram/layout.py
+ * for the file, arena.py for the rules), and the calls they share.  Every word of the arena
+ * is hostile: another process of the user may have written anything there. */
+#ifndef UCM_ARENA_H
+#define UCM_ARENA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define UCM_SEAL_BYTES 32
+
+/* The sections the calls read and write, their addresses in this order in ``cols``. */
+enum { C_SB, C_STATE, C_PINS, C_GEN, C_KEY0, C_KEY1, C_LENGTH, C_LAYOUT, C_USED, C_LEASE,
+       C_SEAL, C_IK0, C_IK1, C_ISLOT, C_COUNT };
+
+typedef struct {
+    uint64_t *sb;
+    uint32_t *state, *pins, *gen;
+    uint64_t *key0, *key1, *length, *layout, *used;
+    int64_t *lease;
+    uint8_t *seal;
+    uint64_t *ik0, *ik1;
+    uint32_t *islot;
+    uint64_t slots, buckets, salt;
+} ucm_arena;
+
+ucm_arena ucm_arena_columns(const uint64_t *cols, uint64_t slots, uint64_t buckets,
+                            uint64_t salt);
+/* Pin key i (words keys[2i], keys[2i+1]): row i of ``rows`` gets its slot (``slots`` where
+ * it is not stored), gen, length and layout, ``seals`` its seal.  The longest index walk. */
+uint64_t ucm_arena_pin_keys(const ucm_arena *a, uint64_t n, const uint64_t *keys,
+                            int64_t lease_until, uint64_t *rows, uint8_t *seals);
+/* Let go of pin i (slot pinned[2i] at gen pinned[2i+1]); same[i]: whether it held. */
+void ucm_arena_unpin_pins(const ucm_arena *a, uint64_t n, const uint64_t *pinned,
+                          uint8_t *same);
+
+#endif
