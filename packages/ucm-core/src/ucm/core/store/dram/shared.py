@@ -44,6 +44,7 @@ from ucm.core.settings import ConfigError
 from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.chunks import chunk_size
+from ucm.core.store.dram import sealing
 from ucm.core.store.dram.arena import (
     CORRUPT,
     LOADED,
@@ -409,7 +410,7 @@ class SharedMemoryStore(Store):
         layout_word: int,
     ) -> list[KeyResult]:
         words = self._words([keys[i] for i in chunk])
-        if self._signer is None:
+        if self._signer is None and sealing.compiled():
             compiled = self._load_compiled(chunk, arena, words, payloads, layout_word)
             if compiled is not None:
                 return compiled
