@@ -17,7 +17,10 @@ Copies run on ``threads`` threads, a batch's blocks dealt out among them: the co
 release the GIL, so one thread's hashing overlaps another's copy and the store moves
 blocks at memory speed with the checksum on.  Each thread reserves or pins its own share, a
 chunk at a time, so the caller's thread (an engine's) only checks the batch and hands it
-over.
+over.  A load's chunk, where the library is built and the store unsigned, is one compiled
+call without the GIL from the first hold of the arena's lock to the last
+(:meth:`Arena.load_compiled`): Python's share around each block's copy had become as long
+as the copy.
 
 A caller that can write blocks where they will live asks for the slots instead
 (:meth:`SharedMemoryStore.open_writes`, :mod:`ucm.core.store.writes`): it copies into them
