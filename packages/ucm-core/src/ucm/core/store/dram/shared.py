@@ -47,7 +47,6 @@ from ucm.core.settings import ConfigError
 from ucm.core.signing import signer_for
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.chunks import chunk_size
-from ucm.core.store.dram import sealing
 from ucm.core.store.dram.arena import (
     CORRUPT,
     LOADED,
@@ -63,6 +62,7 @@ from ucm.core.store.dram.arena import (
 from ucm.core.store.dram.config import DramStoreConfig
 from ucm.core.store.dram.memfs import MEMORY_FILESYSTEMS, check_memory_filesystem, mount_of
 from ucm.core.store.dram.sealing import Move, move_sealed_batch
+from ucm.core.store.dram.sealing import compiled as copies_compiled
 from ucm.core.store.dram.verify import seal_matches, verify_arena
 from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder, make_store_folder
@@ -413,7 +413,7 @@ class SharedMemoryStore(Store):
         layout_word: int,
     ) -> list[KeyResult]:
         words = self._words([keys[i] for i in chunk])
-        if self._signer is None and sealing.compiled():
+        if self._signer is None and copies_compiled():
             compiled = self._load_compiled(chunk, arena, words, payloads, layout_word)
             if compiled is not None:
                 return compiled
