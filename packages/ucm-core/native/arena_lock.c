@@ -83,10 +83,10 @@ int ucm_arena_hold(ucm_lock *l, int lock_fd, int file_fd, uint64_t file_bytes,
     }
     int64_t pause = 20000;
     while (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
-        if ((errno != EWOULDBLOCK && errno != EINTR) || ucm_now_ns() >= deadline) {
-            int busy = errno == EWOULDBLOCK || errno == EINTR;
+        int held_elsewhere = errno == EWOULDBLOCK || errno == EINTR;
+        if (!held_elsewhere || ucm_now_ns() >= deadline) {
             pthread_mutex_unlock(&l->mu);
-            return busy ? HOLD_BUSY : HOLD_ELSEWHERE;
+            return held_elsewhere ? HOLD_BUSY : HOLD_ELSEWHERE;
         }
         pause_for(&pause);
     }

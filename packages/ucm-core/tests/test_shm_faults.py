@@ -458,7 +458,7 @@ def test_loads_racing_a_holder_of_the_lock_end_ok_or_busy_and_leave_whole_books(
                 if got is None:  # pins still owed (paid back at the holder's next hold)
                     seen.add("owed")
                     continue
-                codes, _pins = got
+                codes = got.codes
                 assert codes == [arena_module.LOADED] * len(chunk), round_
                 assert all(bytes(o) == blob(i, block).tobytes() for i, o in enumerate(out))
                 seen.add("loaded")

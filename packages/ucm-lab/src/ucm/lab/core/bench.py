@@ -50,7 +50,7 @@ from ucm.core.native import LIBRARY
 from ucm.core.settings import GIB
 from ucm.core.store import DramStore, KeyResult, PosixStore, SharedMemoryStore, Store, Task
 from ucm.core.store.chunks import chunk_keys
-from ucm.core.store.dram import sealing
+from ucm.core.store.dram import arena, sealing
 from ucm.core.store.dram.sealing import compiled, move_sealed_batch
 
 BATCH = 128  # keys per dump/load call: what an engine step hands over for a long prompt
@@ -140,14 +140,14 @@ def written_in_place(store: Store, srcs: list, dsts: list, n: int) -> tuple[floa
 
 
 def _in_python(store: Store, srcs: list, dsts: list, n: int) -> tuple[float, float]:
-    """:func:`through_store` with the dram store's copies in Python, as in a wheel built
-    without a C compiler."""
-    library = sealing._LIBRARY
-    sealing._LIBRARY = None
+    """:func:`through_store` with the dram store's copies and pins in Python, as in a wheel
+    built without a C compiler."""
+    copies, pins = sealing._LIBRARY, arena._LIBRARY
+    sealing._LIBRARY = arena._LIBRARY = None
     try:
         return through_store(store, srcs, dsts, n)
     finally:
-        sealing._LIBRARY = library
+        sealing._LIBRARY, arena._LIBRARY = copies, pins
 
 
 def _round_trip(

@@ -166,6 +166,21 @@ def _pins_of(rows: np.ndarray, seals: bytes, slots: int) -> list[Pinned | None]:
     ]
 
 
+class LoadedChunk(NamedTuple):
+    """What :meth:`Arena.load_compiled` did: a code a key (``LOADED``, ``NOT_STORED``,
+    ``OTHER_BLOCK``: stored with another length or layout, ``CORRUPT``: dropped from the
+    arena), and the rows of the pins it took, made into a :class:`Pinned` only when asked
+    (:meth:`pin`: most loads never ask)."""
+
+    codes: list[int]
+    rows: np.ndarray  # (n, 4) uint64: slot (``slots`` where none), gen, length, layout
+    seals: bytes  # 32 bytes a key
+
+    def pin(self, k: int) -> Pinned:
+        s, gen, length, layout = self.rows[k].tolist()
+        return Pinned(s, gen, length, layout, self.seals[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
+
+
 class ProcessLock:
     """The lock this process's threads take over an arena before its ``flock`` (which does
     not exclude threads that share one open file): the compiled library's mutex where it is
@@ -861,16 +876,14 @@ class Arena:
         parts: Sequence[Sequence[memoryview]],
         layout: int,
         wait_s: float = LOCK_WAIT_S,
-    ) -> tuple[list[int], list[Pinned | None]] | None:
+    ) -> LoadedChunk | None:
         """Load blocks in one compiled call that lets go of the GIL throughout
         (``native/arena_loads.c``): key ``i``'s block, ``nbytes[i]`` bytes of layout word
         ``layout``, lands in ``parts[i]`` (flat byte views, their lengths adding up to it),
-        copied under a pin and checked against its seal as it lands.  Per key a code
-        (``LOADED``, ``NOT_STORED``, ``OTHER_BLOCK``: stored with another length or layout,
-        ``CORRUPT``: dropped from the arena) and its pin (None where none was taken).  None
-        where the library is not built, this process owes the arena books, or the arena is
-        closed, cut short or being mended: :meth:`pin` and the copies in Python answer
-        then.  :class:`ArenaBusy` where the lock was not had within ``wait_s``."""
+        copied under a pin and checked against its seal as it lands.  None where the
+        library is not built, this process owes the arena books, or the arena is closed,
+        cut short or being mended: :meth:`pin` and the copies in Python answer then.
+        :class:`ArenaBusy` where the lock was not had within ``wait_s``."""
         lock = self._thread_lock.handle
         if _LIBRARY is None or NATIVE is None or not lock or self._closed:
             return None
@@ -907,21 +920,20 @@ class Arena:
             raise ArenaBusy(f"the arena in {self.folder} stayed locked for {wait_s} s")
         if done != _LOAD_DONE:
             return None
-        pins = _pins_of(rows, seals.raw, g.slots)
+        loaded = LoadedChunk(codes.tolist(), rows, seals.raw)
         if flags.value & _F_UNPINNED_LATER:  # let go at this process's next hold
-            self.owe_pins([p for p in pins if p is not None])
+            self.owe_pins([p for p in _pins_of(rows, loaded.seals, g.slots) if p is not None])
             raise ArenaBusy(f"the arena in {self.folder} stayed locked for {wait_s} s")
-        found = codes.tolist()
-        bad = [pin for pin, code in zip(pins, found) if code == CORRUPT]
+        bad = [loaded.pin(k) for k, code in enumerate(loaded.codes) if code == CORRUPT]
         if flags.value & _F_LONG_WALK or bad:
             # the index rebuilt on the way out of the lock; the failed blocks dropped
             # unless another reader holds them (else the next load that fails drops them)
             self._index.long_walk |= bool(flags.value & _F_LONG_WALK)
             try:
-                self.unpin([], bad, wait_s)  # type: ignore[arg-type]
+                self.unpin([], bad, wait_s)
             except ArenaBusy:
                 pass
-        return found, pins
+        return loaded
 
     def _pin_all(self, words: np.ndarray, now: int) -> list[Pinned | None] | None:
         """:meth:`pin`'s loop with numpy (caller holds the lock); None where a key appears

@@ -486,7 +486,7 @@ class SharedMemoryStore(Store):
             return [KeyResult(Status.ERROR, str(exc))] * len(chunk)
         if done is None:
             return None
-        for j, code, pin in zip(taken, *done):
+        for k, (j, code) in enumerate(zip(taken, done.codes)):
             if code == LOADED:
                 results[j] = OK
             elif code == NOT_STORED:
@@ -494,8 +494,7 @@ class SharedMemoryStore(Store):
             elif code == CORRUPT:
                 results[j] = self._corrupt()
             else:
-                assert pin is not None
-                results[j] = _mismatch(pin, payloads[chunk[j]].nbytes, layout_word)
+                results[j] = _mismatch(done.pin(k), payloads[chunk[j]].nbytes, layout_word)
         return results  # type: ignore[return-value]
 
     # -- reads in place --
