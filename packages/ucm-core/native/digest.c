@@ -152,31 +152,28 @@ static uint64_t copy_baseline(uint8_t *dst, const uint8_t *src, uint64_t n, uint
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-/* Streaming stores need a destination on the vector's grid: the words before it go one at
- * a time.  Returns how many. */
-static uint64_t words_to_grid(const uint8_t *dst, uint64_t n, uintptr_t width) {
-    uintptr_t off = (uintptr_t)dst & (width - 1);
-    if (off == 0)
+/* Streaming stores need a destination on the vector's grid (``width`` bytes): copy and
+ * sum the words before it one at a time, moving the copy's start past them.  Returns their
+ * sum; ``*stream`` cleared where whole words never reach the grid (plain stores then). */
+static uint64_t stream_head(uint8_t **dst, const uint8_t **src, uint64_t *n, uint64_t *first,
+                            int *stream, uintptr_t width) {
+    uintptr_t off = (uintptr_t)*dst & (width - 1);
+    if (!*stream || off == 0)
         return 0;
-    if (off & 7) /* never on the grid by whole words: plain stores throughout */
-        return n + 1;
     uint64_t head = (width - off) / 8;
-    return head < n ? head : n + 1;
+    if (off & 7 || head >= *n) { /* off the word grid, or too short to reach it */
+        *stream = 0;
+        return 0;
+    }
+    uint64_t sum = copy_tail(*dst, *src, head, *first);
+    *dst += 8 * head, *src += 8 * head, *n -= head, *first += head;
+    return sum;
 }
 
 __attribute__((target("avx2"))) static uint64_t copy_avx2(uint8_t *dst, const uint8_t *src,
                                                            uint64_t n, uint64_t first,
                                                            int stream) {
-    uint64_t sum = 0;
-    if (stream) {
-        uint64_t head = words_to_grid(dst, n, 32);
-        if (head > n)
-            stream = 0;
-        else if (head) {
-            sum = copy_tail(dst, src, head, first);
-            dst += 8 * head, src += 8 * head, n -= head, first += head;
-        }
-    }
+    uint64_t sum = stream_head(&dst, &src, &n, &first, &stream, 32);
     __m256i key = _mm256_set_epi64x((long long)((first + 4) * P1), (long long)((first + 3) * P1),
                                     (long long)((first + 2) * P1), (long long)((first + 1) * P1));
     const __m256i step = _mm256_set1_epi64x((long long)(4 * P1));
@@ -210,16 +207,7 @@ __attribute__((target("avx2"))) static uint64_t copy_avx2(uint8_t *dst, const ui
 __attribute__((target("avx512f"))) static uint64_t copy_avx512(uint8_t *dst, const uint8_t *src,
                                                                uint64_t n, uint64_t first,
                                                                int stream) {
-    uint64_t sum = 0;
-    if (stream) {
-        uint64_t head = words_to_grid(dst, n, 64);
-        if (head > n)
-            stream = 0;
-        else if (head) {
-            sum = copy_tail(dst, src, head, first);
-            dst += 8 * head, src += 8 * head, n -= head, first += head;
-        }
-    }
+    uint64_t sum = stream_head(&dst, &src, &n, &first, &stream, 64);
     __m512i key = _mm512_set_epi64(
         (long long)((first + 8) * P1), (long long)((first + 7) * P1), (long long)((first + 6) * P1),
         (long long)((first + 5) * P1), (long long)((first + 4) * P1), (long long)((first + 3) * P1),
