@@ -8,6 +8,11 @@
 #include <stdint.h>
 
 #define UCM_SEAL_BYTES 32
+/* superblock words (layout.py: SB_*) and the walk past which the index is rebuilt
+ * (index.py: LONG_WALK) */
+#define UCM_SB_TICK 5
+#define UCM_SB_DIRTY 6
+#define UCM_LONG_WALK 256
 
 /* The sections the calls read and write, their addresses in this order in ``cols``. */
 enum { C_SB, C_STATE, C_PINS, C_GEN, C_KEY0, C_KEY1, C_LENGTH, C_LAYOUT, C_USED, C_LEASE,

@@ -21,8 +21,6 @@
 enum { LOAD_DONE = 0, LOAD_BUSY = 1, LOAD_ELSEWHERE = 2 };
 enum { R_MISS = 0, R_OK = 1, R_MISMATCH = 2, R_CORRUPT = 3 };
 enum { F_LONG_WALK = 1, F_UNPINNED_LATER = 2 };
-#define SB_DIRTY 6
-#define LONG_WALK 256
 
 static int seal_is(const uint8_t *stored, uint64_t digest) {
     uint8_t want[UCM_SEAL_BYTES] = {0};
@@ -55,11 +53,11 @@ __attribute__((visibility("default"))) int ucm_arena_load_chunk(
     int held = ucm_arena_hold(lock, lock_fd, file_fd, file_bytes, a.sb, ucm_now_ns() + wait_ns);
     if (held != HOLD_HELD)
         return held == HOLD_BUSY ? LOAD_BUSY : LOAD_ELSEWHERE;
-    a.sb[SB_DIRTY] = 1;
+    a.sb[UCM_SB_DIRTY] = 1;
     uint64_t longest = ucm_arena_pin_keys(&a, n, keys, ucm_now_ns() + lease_ns, rows, seals);
-    a.sb[SB_DIRTY] = 0;
+    a.sb[UCM_SB_DIRTY] = 0;
     ucm_arena_let_go(lock, lock_fd);
-    if (longest > LONG_WALK)
+    if (longest > UCM_LONG_WALK)
         *flags |= F_LONG_WALK;
 
     uint64_t p = 0;
@@ -97,7 +95,7 @@ __attribute__((visibility("default"))) int ucm_arena_load_chunk(
         *flags |= F_UNPINNED_LATER;
         return LOAD_DONE;
     }
-    a.sb[SB_DIRTY] = 1;
+    a.sb[UCM_SB_DIRTY] = 1;
     for (uint64_t k0 = 0; k0 < n; k0 += 64) { /* a stack's worth at a time */
         uint64_t m = 0, which[64];
         for (uint64_t k = k0; k < n && k < k0 + 64; k++) {
@@ -111,7 +109,7 @@ __attribute__((visibility("default"))) int ucm_arena_load_chunk(
             if (!same[j]) /* its lease ran out and the slot was reused: not the block read */
                 codes[which[j]] = R_MISS;
     }
-    a.sb[SB_DIRTY] = 0;
+    a.sb[UCM_SB_DIRTY] = 0;
     ucm_arena_let_go(lock, lock_fd);
     return LOAD_DONE;
 }

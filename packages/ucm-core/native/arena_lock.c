@@ -10,9 +10,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "arena.h"
 #include "arena_lock.h"
 
-#define SB_DIRTY 6
 
 int64_t ucm_now_ns(void) {
     struct timespec t;
@@ -90,7 +90,7 @@ int ucm_arena_hold(ucm_lock *l, int lock_fd, int file_fd, uint64_t file_bytes,
         }
         pause_for(&pause);
     }
-    if (sb[SB_DIRTY]) { /* a holder died mid-change: Python's critical section mends it */
+    if (sb[UCM_SB_DIRTY]) { /* a holder died mid-change: Python's critical section mends it */
         ucm_arena_let_go(l, lock_fd);
         return HOLD_ELSEWHERE;
     }

@@ -18,7 +18,6 @@
 #define TOMB 0xFFFFFFFEu
 #define READY 2u
 #define MIX 0x9E3779B97F4A7C15ULL
-#define SB_TICK 5
 
 ucm_arena ucm_arena_columns(const uint64_t *cols, uint64_t slots, uint64_t buckets,
                             uint64_t salt) {
@@ -78,7 +77,7 @@ uint64_t ucm_arena_pin_keys(const ucm_arena *a, uint64_t n, const uint64_t *keys
         a->pins[s] += 1;
         if (a->lease[s] < lease_until)
             a->lease[s] = lease_until;
-        a->used[s] = ++a->sb[SB_TICK];
+        a->used[s] = ++a->sb[UCM_SB_TICK];
         row[0] = s, row[1] = a->gen[s], row[2] = a->length[s], row[3] = a->layout[s];
         memcpy(seals + UCM_SEAL_BYTES * k, a->seal + UCM_SEAL_BYTES * s, UCM_SEAL_BYTES);
     }
@@ -117,6 +116,6 @@ __attribute__((visibility("default"))) uint64_t ucm_arena_pin(
 __attribute__((visibility("default"))) void ucm_arena_unpin(const uint64_t *cols, uint64_t slots,
                                                            uint64_t n, const uint64_t *pinned,
                                                            uint8_t *same) {
-    ucm_arena a = ucm_arena_columns(cols, slots, 2, 0);
+    ucm_arena a = ucm_arena_columns(cols, slots, 2, 0); /* no walk: buckets and salt unused */
     ucm_arena_unpin_pins(&a, n, pinned, same);
 }

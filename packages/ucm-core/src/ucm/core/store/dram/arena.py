@@ -155,15 +155,17 @@ _LOAD_DONE, _LOAD_BUSY = 0, 1
 _F_LONG_WALK, _F_UNPINNED_LATER = 1, 2
 
 
+def _pin_of(row: Sequence[int], seals: bytes, k: int) -> Pinned:
+    """The pin of row ``k`` (slot, gen, length, layout) of a compiled call, its seal the
+    ``k``-th 32 bytes of ``seals``."""
+    slot, gen, length, layout = row
+    return Pinned(slot, gen, length, layout, seals[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
+
+
 def _pins_of(rows: np.ndarray, seals: bytes, slots: int) -> list[Pinned | None]:
-    """The pins of ``(n, 4)`` rows of slot, gen, length and layout and their seals, 32
-    bytes a row (None where the slot is ``slots``: no pin)."""
-    return [
-        Pinned(s, gen, length, layout, seals[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
-        if s < slots
-        else None
-        for k, (s, gen, length, layout) in enumerate(rows.tolist())
-    ]
+    """The pins of ``(n, 4)`` rows (None where the slot is ``slots``: no pin)."""
+    table = rows.tolist()
+    return [_pin_of(row, seals, k) if row[0] < slots else None for k, row in enumerate(table)]
 
 
 class LoadedChunk(NamedTuple):
@@ -177,8 +179,7 @@ class LoadedChunk(NamedTuple):
     seals: bytes  # 32 bytes a key
 
     def pin(self, k: int) -> Pinned:
-        s, gen, length, layout = self.rows[k].tolist()
-        return Pinned(s, gen, length, layout, self.seals[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
+        return _pin_of(self.rows[k].tolist(), self.seals, k)
 
 
 class ProcessLock:

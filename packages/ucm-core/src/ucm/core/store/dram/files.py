@@ -39,9 +39,7 @@ def try_flock(fd: int, kind: int) -> bool:
     if _LIBC.flock(fd, kind | fcntl.LOCK_NB) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EWOULDBLOCK, errno.EAGAIN):
-        return False
-    if err == errno.EINTR:  # a signal came first: the polling loop asks again
+    if err in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):  # EINTR: the loop asks again
         return False
     raise OSError(err, os.strerror(err))
 
