@@ -26,11 +26,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from ucm.core import address_of
 
+from ucm.kernels.row_table import RowTable
+
 if TYPE_CHECKING:
-    from ucm.core import SlotWrites
+    from ucm.core import SlotReads, SlotWrites
 
     from ucm.kernels.staging import HostStager, TransferHandle
 
@@ -115,6 +118,26 @@ class PinnedRegions:
             out.append(region[offset : offset + view.nbytes])
         return out
 
+    def table(self, addresses: np.ndarray, nbytes: int) -> RowTable | None:
+        """Rows of ``nbytes`` at ``addresses`` (a store's :meth:`~ucm.core.SlotWrites.
+        addresses`, every one a row) as one table over the registered region holding them
+        all: made with numpy, no object a row.  None where nothing is registered or the rows
+        lie in several regions (then :meth:`rows`); ``ValueError`` where a row lies outside
+        every region."""
+        if not self._regions:
+            return None
+        at = np.asarray(addresses, dtype=np.uint64).reshape(-1)
+        for whole in self._regions:
+            start = whole.data_ptr()
+            inside = (at >= start) & (at <= start + whole.numel() - nbytes)
+            if inside.all():
+                return RowTable.of(whole, (at - np.uint64(start)).astype(np.int64), nbytes)
+            if inside.any():
+                return None  # (a region each: the copies take them row by row)
+        for address in at.tolist():
+            self._region_of(address, nbytes)  # raises, naming the row
+        return None
+
     def _region_of(self, address: int, nbytes: int) -> tuple[torch.Tensor, int]:
         """The registered region holding ``nbytes`` at ``address``, and their offset in it."""
         for whole in self._regions:
@@ -163,8 +186,24 @@ def dump_into(
     if not at:
         return None
     try:
-        rows = pinned.rows([writes.views[i] for i in at])  # type: ignore[misc]
-        return stager.dump(caches, [block_ids[i] for i in at], rows, **options)
+        return stager.dump(
+            caches, [block_ids[i] for i in at], host_rows(pinned, writes, at), **options
+        )
     except BaseException:
         writes.abort()
         raise
+
+
+def host_rows(
+    pinned: PinnedRegions, lent: SlotWrites | SlotReads, which: list[int]
+) -> torch.Tensor | list[torch.Tensor] | RowTable:
+    """The views ``which`` of a store's room or loan as host rows for a
+    :class:`~ucm.kernels.HostStager`: one table over the registered region on a GPU host
+    (:meth:`PinnedRegions.table`), else tensors (:meth:`PinnedRegions.rows`)."""
+    views = [lent.views[i] for i in which]
+    nbytes = views[0].nbytes if views and views[0] is not None else 0
+    if pinned and nbytes and all(v is not None and v.nbytes == nbytes for v in views):
+        table = pinned.table(lent.addresses()[which], nbytes)
+        if table is not None:
+            return table
+    return pinned.rows(views)  # type: ignore[arg-type]

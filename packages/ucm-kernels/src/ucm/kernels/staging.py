@@ -25,6 +25,12 @@ from the gathered rows (``digests=``), and :meth:`HostStager.load_checked` sums 
 on the device once they crossed the link and scatters only those whose digest is the stored
 one (:mod:`ucm.kernels.digest`).
 
+Host rows given as a :class:`~ucm.kernels.row_table.RowTable` (a store's slots wherever they
+lie, as one table of offsets) go through the device's scratch whatever the route: the rows
+move between it and the table by :func:`~ucm.kernels.row_table.copy_rows` (one kernel launch
+for rows scattered over the store's memory, where a tensor a row cost the host tens of
+microseconds each and the driver a copy call each).
+
 On the CPU (no GPU, or CPU caches) the same calls run synchronously and return a handle that
 is already done.
 """
@@ -32,12 +38,14 @@ is already done.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import attrs
 import torch
 
 from ucm.kernels.api import Backend, execute
 from ucm.kernels.digest import as_int64, row_digests
+from ucm.kernels.row_table import RowTable, copy_rows
 from ucm.kernels.spec import PayloadLayout
 from ucm.kernels.validate import (
     GATHER,
@@ -45,6 +53,7 @@ from ucm.kernels.validate import (
     CheckedCaches,
     TransferPlan,
     build_plan,
+    check_caches,
     rebind_buffers,
 )
 
@@ -147,7 +156,7 @@ class HostStager:
         self,
         caches: Sequence[torch.Tensor] | CheckedCaches,
         block_ids: object,
-        host_buffers: torch.Tensor | Sequence[torch.Tensor],
+        host_buffers: torch.Tensor | Sequence[torch.Tensor] | RowTable,
         *,
         token_range: tuple[int, int] | None = None,
         null_block_id: int | None = None,
@@ -158,6 +167,9 @@ class HostStager:
         ``digests``: an int64 host tensor (pinned on a GPU) that gets each block's digest
         (:func:`~ucm.kernels.digest.row_digests`) once the handle is done, computed on the
         device from the gathered rows."""
+        if isinstance(host_buffers, RowTable):
+            options = {"token_range": token_range, "null_block_id": null_block_id}
+            return self._table(GATHER, caches, block_ids, host_buffers, scales, options, digests)[1]
         plan = build_plan(
             GATHER,
             caches,
@@ -176,7 +188,7 @@ class HostStager:
         self,
         caches: Sequence[torch.Tensor] | CheckedCaches,
         block_ids: object,
-        host_buffers: torch.Tensor | Sequence[torch.Tensor],
+        host_buffers: torch.Tensor | Sequence[torch.Tensor] | RowTable,
         *,
         token_range: tuple[int, int] | None = None,
         null_block_id: int | None = None,
@@ -184,6 +196,9 @@ class HostStager:
     ) -> TransferHandle:
         """Scatter from host buffers; on a GPU, call ``wait_on()`` on the handle before the
         forward pass reads the blocks (and keep the buffers until the handle is done)."""
+        if isinstance(host_buffers, RowTable):
+            options = {"token_range": token_range, "null_block_id": null_block_id}
+            return self._table(SCATTER, caches, block_ids, host_buffers, scales, options)[1]
         plan = build_plan(
             SCATTER,
             caches,
@@ -200,7 +215,7 @@ class HostStager:
         self,
         caches: Sequence[torch.Tensor] | CheckedCaches,
         block_ids: object,
-        host_buffers: torch.Tensor | Sequence[torch.Tensor],
+        host_buffers: torch.Tensor | Sequence[torch.Tensor] | RowTable,
         expected: Sequence[int],
         **options: object,
     ) -> tuple[torch.Tensor, TransferHandle]:
@@ -211,6 +226,20 @@ class HostStager:
         whose digest matches are scattered, all on the side stream (a block that fails
         never reaches the cache, and the host waits for nothing).  On the CPU the rows are
         checked where they lie, synchronously."""
+        if isinstance(host_buffers, RowTable):
+            rest = {k: v for k, v in options.items() if k != "scales"}
+            scales = options.get("scales")
+            verdicts, handle = self._table(
+                SCATTER,
+                caches,
+                block_ids,
+                host_buffers,
+                scales,
+                rest,
+                expected=expected,  # type: ignore[arg-type]
+            )
+            assert verdicts is not None
+            return verdicts, handle
         plan = build_plan(
             SCATTER,
             caches,
@@ -250,6 +279,88 @@ class HostStager:
         return verdicts, TransferHandle(done, (*plan.caches, scratch, wanted, ok), self.device)
 
     # -------------------------------------------------------------------------------------
+    def _table(
+        self,
+        direction: str,
+        caches: Sequence[torch.Tensor] | CheckedCaches,
+        block_ids: object,
+        table: RowTable,
+        scales: Sequence[torch.Tensor] | None,
+        options: dict,
+        digests: torch.Tensor | None = None,
+        expected: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor | None, TransferHandle]:
+        """A transfer whose host rows are a table: the blocks between the caches and the
+        device's scratch, the scratch's rows between the device and the table
+        (:func:`copy_rows`), digested or checked in the scratch.  On the CPU the same steps,
+        synchronously (a GPU's path, for the tests: the CPU's own copies take the rows as
+        tensors).  Returns the verdicts where ``expected`` digests were given."""
+        if not isinstance(caches, CheckedCaches):
+            caches = check_caches(caches, scales)
+        elif scales is not None:
+            raise ValueError("checked caches carry their scales: give scales=None")
+        device = caches.device
+        cuda = device.type == "cuda"
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"a row table's copies need a GPU or the CPU, not {device}")
+        if cuda and device != self.device:
+            raise ValueError(f"the caches are on {device}, this stager on {self.device}")
+        if table.device.type != "cpu":
+            raise ValueError(f"a row table's rows are host memory, not {table.device}")
+        if cuda and not table.is_pinned():
+            raise ValueError(
+                "the row table's memory is not pinned: an asynchronous copy needs it "
+                "registered with the driver (PinnedRegions)"
+            )
+        if self.direct:
+            raise ValueError("direct=True takes host rows as tensors; a row table goes by DMA")
+        rows = "torch" if self.backend in ("torch", "reference") else self.backend
+        stream = self._stream if cuda else None
+        ready = done = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            done = torch.cuda.Event()
+        verdicts = None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            scratch = torch.empty((len(table), table.nbytes), dtype=torch.uint8, device=device)
+            plan = build_plan(direction, caches, block_ids, scratch, **options)
+            if plan.layout.nbytes != table.nbytes:
+                raise ValueError(
+                    f"the row table's rows are {table.nbytes} bytes, a payload {plan.layout.nbytes}"
+                )
+            if digests is not None and digests.shape != (len(table),):
+                raise ValueError(f"digests for {len(table)} blocks, got {tuple(digests.shape)}")
+            if expected is not None and len(expected) != len(table):
+                raise ValueError(f"{len(expected)} digests for {len(table)} blocks")
+            if stream is not None:
+                stream.wait_event(ready)
+            keep: tuple = (*plan.caches, table.base, table.offsets, scratch)
+            if direction == GATHER:
+                execute(plan, self.backend)
+                copy_rows(scratch, table, to_table=True, backend=rows)
+                if digests is not None:  # summed in device memory: a few % of the link's time
+                    digests.copy_(row_digests(scratch, self.backend), non_blocking=cuda)
+            elif expected is None:
+                copy_rows(scratch, table, to_table=False, backend=rows)
+                execute(plan, self.backend)
+            else:
+                want = torch.tensor([as_int64(e) for e in expected], dtype=torch.int64)
+                wanted = want.pin_memory().to(device, non_blocking=True) if cuda else want
+                copy_rows(scratch, table, to_table=False, backend=rows)
+                ok = row_digests(scratch, self.backend) == wanted
+                execute(attrs.evolve(plan, keep=ok), self.backend)
+                verdicts = ok
+                if cuda:
+                    verdicts = torch.empty(len(table), dtype=torch.bool, pin_memory=True)
+                    verdicts.copy_(ok, non_blocking=True)
+                keep = (*keep, wanted, ok)
+            if done is not None:
+                done.record(stream)
+        if not cuda:
+            return verdicts, TransferHandle()
+        return verdicts, TransferHandle(done, keep, device)
+
     def _check_pinned(self, plan: TransferPlan) -> None:
         # Rows of one allocation are pinned or not together: one query (each asks the CUDA
         # driver about the address) instead of one per row.

@@ -177,3 +177,8 @@ def address_of(view: memoryview) -> int:
     if not view.readonly:  # ctypes' way is the cheaper, for writable memory only
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     return int(np.frombuffer(view, np.uint8).ctypes.data)
+
+
+def addresses_of(views: Sequence[memoryview | None]) -> np.ndarray:
+    """:func:`address_of` of each view as uint64, 0 for ``None``."""
+    return np.array([0 if v is None else address_of(v) for v in views], dtype=np.uint64)

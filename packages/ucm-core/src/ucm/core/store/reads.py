@@ -22,6 +22,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+import numpy as np
+from ucm.core.store.payload import addresses_of
 from ucm.core.store.task import Task
 
 
@@ -40,6 +42,11 @@ class SlotReads(abc.ABC):
     #: (``open_reads(check=False)``: ``OK`` in ``task`` means lent, and the caller checks
     #: what it copies out against this); None where the store checked them itself
     digests: list[int | None] | None = None
+
+    def addresses(self) -> np.ndarray:
+        """Per key, where its view starts, as uint64 (0 where it has none): see
+        :meth:`SlotWrites.addresses <ucm.core.store.writes.SlotWrites.addresses>`."""
+        return addresses_of(self.views)
 
     def drop(self, indices: Sequence[int]) -> None:  # noqa: B027 - stores that check need none
         """Blocks the caller found corrupt as it copied them out (their digest is not the

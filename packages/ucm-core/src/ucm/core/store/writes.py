@@ -16,6 +16,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+import numpy as np
+from ucm.core.store.payload import addresses_of
 from ucm.core.store.task import Task
 
 
@@ -31,6 +33,13 @@ class SlotWrites(abc.ABC):
     #: whether :meth:`commit` books digests the caller computed instead of reading the
     #: bytes (False for a store that signs: it computes its MAC from the bytes)
     takes_digests: bool = False
+
+    def addresses(self) -> np.ndarray:
+        """Per key, where its view starts, as uint64 (0 where it has none): the views as one
+        table of numbers, for a copy that takes every row's address at once (a GPU's:
+        :mod:`ucm.kernels.row_table`) rather than an object a row.  Good while the views
+        are."""
+        return addresses_of(self.views)
 
     @abc.abstractmethod
     def commit(self, digests: Sequence[int | None] | None = None) -> Task:

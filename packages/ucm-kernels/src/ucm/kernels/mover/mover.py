@@ -44,7 +44,7 @@ from ucm.kernels.mover.caches import Caches
 from ucm.kernels.mover.layers import LayeredCopy, layer_runs
 from ucm.kernels.mover.route import Route, RouteAsk, choose_route
 from ucm.kernels.mover.rows import RowPool, deferred_payloads, row_buffers
-from ucm.kernels.pinning import PinnedRegions, dump_into
+from ucm.kernels.pinning import PinnedRegions, dump_into, host_rows
 from ucm.kernels.segments import BlockSegments, block_segments
 from ucm.kernels.staging import IN_PLACE_MIN_BYTES, HostStager, TransferHandle
 
@@ -362,7 +362,7 @@ class Mover:
         caches = batch.caches
         ids = [batch.block_ids[i] for i in which]
         try:
-            rows = self.pinned.rows([lent.views[i] for i in which])  # type: ignore[misc]
+            rows = host_rows(self.pinned, lent, which)
             stager = self.stager(caches.device)
             if lent.digests is None:
                 handle = stager.load(caches.checked(), ids, rows, **caches.copy_options())

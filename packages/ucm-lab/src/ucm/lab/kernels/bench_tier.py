@@ -18,13 +18,18 @@ size this prints:
   against the copy alone through one pinned buffer (target: 0.8), and the host's CPU time
   per GB of each way (the process's, every thread's);
 * the same copies into slots in random order, as an arena that has turned over hands them
-  out, by DMA and by the kernel writing host memory itself (``direct=True``);
+  out, by DMA a row, by the kernel writing host memory itself (``direct=True``), and as
+  one row table (:mod:`ucm.kernels.row_table`: the rows through the device's scratch, one
+  kernel launch between it and the slots);
+* the device-checked dump and load again on an arena whose free slots lie apart (half of
+  two batches removed at random), as a busy server's are;
 * how long registering the arena took;
 * with ``--stages``, the device-checked dump and load of each size stage by stage (the
   store's calls, the copies, the bookkeeping), medians of ``--repeat`` batches.
 
-On the CPU (no GPU) the same copies run on a CPU cache: nothing is registered, and the
-"pinned" buffer is plain memory.
+On the CPU (no GPU) the same copies run on a CPU cache: nothing is registered, the
+"pinned" buffer is plain memory, and the copies take the slots as a tensor each, as the
+mover does there (no row table columns).
 
     python -m ucm.lab.kernels.bench_tier [--device auto|cpu|cuda] [--repeat N] [--json]
         [--stages]
@@ -43,10 +48,16 @@ import uuid
 from collections.abc import Callable
 
 import torch
+from ucm.core import SlotReads, SlotWrites
 from ucm.core.config import DramStoreConfig
 from ucm.core.store import SharedMemoryStore
 from ucm.kernels import HostStager, PinnedRegions, alloc_host_buffers
 from ucm.kernels.mover import row_buffers
+from ucm.kernels.pinning import host_rows
+from ucm.kernels.row_table import RowTable
+
+#: host rows as the stager takes them
+Rows = torch.Tensor | list[torch.Tensor] | RowTable
 
 MIB = 2**20
 LAYERS = 8
@@ -136,16 +147,22 @@ class Case:
             return self.pinned.rows(views)  # type: ignore[arg-type]
         return [torch.frombuffer(v, dtype=torch.uint8) for v in views]  # type: ignore[call-overload]
 
+    def host_rows(self, lent: SlotWrites | SlotReads, which: list[int] | None = None) -> Rows:
+        """Views of the store's room or loan as the mover hands them to the stager: on a GPU
+        one row table over the registered arena, on the CPU a tensor a view."""
+        which = list(range(len(lent.views))) if which is None else which
+        return host_rows(self.pinned, lent, which)
+
     def d2h(
         self,
-        rows: torch.Tensor | list[torch.Tensor],
+        rows: Rows,
         direct: bool = False,
         digests: torch.Tensor | None = None,
     ) -> None:
         stager = self.direct if direct else self.stager
         stager.dump(self.caches, self.ids, rows, digests=digests).wait()
 
-    def h2d(self, rows: torch.Tensor | list[torch.Tensor], direct: bool = False) -> None:
+    def h2d(self, rows: Rows, direct: bool = False) -> None:
         (self.direct if direct else self.stager).load(self.caches, self.ids, rows).wait()
 
     # -- through the store --
@@ -172,7 +189,7 @@ class Case:
         writes = self.store.open_writes(keys, self.nbytes, TAG)
         assert writes is not None and writes.takes_digests
         digests = torch.zeros(self.count, dtype=torch.int64, pin_memory=self.registered)
-        self.d2h(self.slot_tensors(writes.views), digests=digests)
+        self.d2h(self.host_rows(writes), digests=digests)
         found = [d & ((1 << 64) - 1) for d in digests.tolist()]
         assert all(r.ok for r in self.store.wait(writes.commit(found)))
         self.written = keys
@@ -182,7 +199,7 @@ class Case:
         reads = self.store.open_reads(keys, self.nbytes, TAG, check=False)
         assert reads is not None and reads.digests is not None
         try:
-            rows = self.slot_tensors(reads.views)
+            rows = self.host_rows(reads)
             verdicts, handle = self.stager.load_checked(self.caches, self.ids, rows, reads.digests)
             handle.wait()
             assert all(verdicts.tolist())
@@ -216,7 +233,7 @@ class Case:
 
 def _check(case: Case) -> None:
     """A round trip through the tier in place equals the cache: dumped in place, loaded
-    lent into other blocks of a copy of the cache."""
+    lent; then digested and checked by the device through row tables."""
     keys = case.keys()
     writes = case.store.open_writes(keys, case.nbytes, TAG)
     assert writes is not None
@@ -234,6 +251,15 @@ def _check(case: Case) -> None:
         if not torch.equal(got, want):
             raise AssertionError("a block loaded from the tier differs from the one dumped")
     case.store.remove(keys)
+    case.dump_digested()
+    for c in case.caches:
+        c[1:].normal_()
+    case.load_checked(case.written)  # every block passes its digest
+    case.sync()
+    for got, want in zip(case.caches, expected):
+        if not torch.equal(got, want):
+            raise AssertionError("a block checked by the device differs from the one dumped")
+    case.forget()
 
 
 def _measure(case: Case, repeat: int) -> dict[str, float]:
@@ -253,6 +279,10 @@ def _measure(case: Case, repeat: int) -> dict[str, float]:
     t["h2d_scattered"] = _timed(lambda: case.h2d(shuffled), case.sync, repeat)
     t["d2h_direct"] = _timed(lambda: case.d2h(shuffled, direct=True), case.sync, repeat)
     t["h2d_direct"] = _timed(lambda: case.h2d(shuffled, direct=True), case.sync, repeat)
+    if case.registered:  # (on the CPU the copies take the rows as tensors)
+        table = case.host_rows(slots, torch.randperm(len(slot_rows)).tolist())
+        t["d2h_table"] = _timed(lambda: case.d2h(table), case.sync, repeat)
+        t["h2d_table"] = _timed(lambda: case.h2d(table), case.sync, repeat)
     shuffled.clear()
     slot_rows = []  # the views go before their room does
     slots.abort()
@@ -271,7 +301,25 @@ def _measure(case: Case, repeat: int) -> dict[str, float]:
         ("load_checked", case.load_checked),
     ):
         t[name] = _timed(lambda load=load: load(stored), case.sync, repeat, name)  # type: ignore[misc]
+    case.store.remove(stored)
+    _scatter_free_slots(case)
+    t["dump_digested_apart"] = _timed(case.dump_digested, case.sync, repeat, after=case.forget)
+    case.dump_digested()  # into slots apart: the loads' blocks
+    stored = case.written
+    t["load_checked_apart"] = _timed(lambda: case.load_checked(stored), case.sync, repeat)
+    case.forget()
     return t
+
+
+def _scatter_free_slots(case: Case) -> None:
+    """Leave the arena's free slots apart, as eviction leaves a busy server's: two batches
+    stored, half of them removed at random (the next batch takes every other slot)."""
+    keys = case.keys() + case.keys()
+    rows = row_buffers(list(case.rows))
+    for part in (keys[: case.count], keys[case.count :]):
+        assert all(r.ok for r in case.store.wait(case.store.dump(part, rows, TAG)))
+    gone = torch.randperm(len(keys))[: case.count].tolist()
+    case.store.remove([keys[i] for i in gone])
 
 
 def _stages(case: Case, repeat: int) -> dict[str, float]:
@@ -294,8 +342,8 @@ def _stages(case: Case, repeat: int) -> dict[str, float]:
         writes = case.store.open_writes(keys, case.nbytes, TAG)
         assert writes is not None
         lap("open_writes")
-        rows = case.slot_tensors(writes.views)
-        lap("slot rows")
+        rows = case.host_rows(writes)
+        lap("host rows")
         case.stager.dump(case.caches, case.ids, rows).wait()
         lap("copy alone")
         case.stager.dump(case.caches, case.ids, rows, digests=digests).wait()
@@ -303,15 +351,15 @@ def _stages(case: Case, repeat: int) -> dict[str, float]:
         found = [d & ((1 << 64) - 1) for d in digests.tolist()]
         case.store.wait(writes.commit(found))
         lap("commit (book)")
-        rows = []
+        del rows
         reads = case.store.open_reads(keys, case.nbytes, TAG, check=False)
         assert reads is not None and reads.digests is not None
         lap("open_reads")
-        rows = case.slot_tensors(reads.views)
-        lap("lent rows")
+        rows = case.host_rows(reads)
+        lap("host rows (lent)")
         case.stager.load_checked(case.caches, case.ids, rows, reads.digests)[1].wait()
         lap("checked load")
-        rows = []
+        del rows
         reads.release()
         lap("release")
         case.store.remove(keys)
@@ -369,16 +417,21 @@ def _print(device: torch.device, rows: list[dict]) -> None:
             f"{_cell(g, 'dump_in_place', 'dump_rows', q['dump'])} "
             f"{_cell(g, 'load_lent', 'load_rows', q['load'])}"
         )
-    print("slots out of order: D2H, H2D GB/s (ratio to the pinned buffer), DMA / kernel direct")
+    print(
+        "slots out of order: D2H, H2D GB/s (ratio to the pinned buffer), a DMA copy a row / "
+        "the kernel direct / a row table"
+    )
     for r in rows:
         g = r["gb_s"]
         cells = [
-            f"{g[k]:5.1f} ({g[k] / g[base]:4.2f})"
+            f"{g[k]:5.1f} ({g[k] / g[base]:4.2f})" if k in g else f"{'-':>12}"
             for k, base in (
                 ("d2h_scattered", "d2h_pinned"),
                 ("h2d_scattered", "h2d_pinned"),
                 ("d2h_direct", "d2h_pinned"),
                 ("h2d_direct", "h2d_pinned"),
+                ("d2h_table", "d2h_pinned"),
+                ("h2d_table", "h2d_pinned"),
             )
         ]
         print(f"{r['block_bytes'] // 1024:>5}KiB " + " ".join(cells))
@@ -398,6 +451,14 @@ def _print(device: torch.device, rows: list[dict]) -> None:
             f"dump {c['dump_digested']:.3f} / {c['dump_in_place']:.3f}, "
             f"load {c['load_checked']:.3f} / {c['load_lent']:.3f}, "
             f"pinned copy {c['d2h_pinned']:.3f} / {c['h2d_pinned']:.3f}"
+        )
+    print("the same, the arena's free slots apart: GB/s (ratio to the pinned buffer)")
+    for r in rows:
+        g = r["gb_s"]
+        dump, load = g["dump_digested_apart"], g["load_checked_apart"]
+        print(
+            f"{r['block_bytes'] // 1024:>5}KiB dump {dump:5.1f} ({dump / g['d2h_pinned']:4.2f})  "
+            f"load {load:5.1f} ({load / g['h2d_pinned']:4.2f})"
         )
     for r in rows:
         if r["stages_ms"]:

@@ -66,7 +66,7 @@ from ucm.core.store.dram.sealing import compiled as copies_compiled
 from ucm.core.store.dram.verify import seal_matches, verify_arena
 from ucm.core.store.evictions import EvictionWatch
 from ucm.core.store.folder import check_before_creating, check_store_folder, make_store_folder
-from ucm.core.store.payload import Payload
+from ucm.core.store.payload import Payload, address_of
 from ucm.core.store.reads import SlotReads
 from ucm.core.store.task import CANCELLED, MISS, OK, KeyResult, Status, Task
 from ucm.core.store.writes import SlotWrites
@@ -650,6 +650,10 @@ class _ArenaWrites(SlotWrites):
         self._layout_word = layout_word
         self._ended = False
 
+    def addresses(self) -> np.ndarray:
+        slots = [None if v is None else got[0] for v, got in zip(self.views, self._reserved)]
+        return _slot_addresses(self._arena, slots)
+
     def _end(self) -> None:
         if self._ended:
             raise RuntimeError("these writes were committed or aborted already")
@@ -712,6 +716,10 @@ class _ArenaReads(SlotReads):
         self._arena = arena
         self._released = False
 
+    def addresses(self) -> np.ndarray:
+        slots = [None if v is None else p.slot for v, p in zip(self.views, self.pinned)]  # type: ignore[union-attr]
+        return _slot_addresses(self._arena, slots)
+
     def drop(self, indices: Sequence[int]) -> None:
         self.bad.extend(self.pinned[i] for i in indices if self.pinned[i] is not None)  # type: ignore[misc]
 
@@ -742,6 +750,17 @@ def _reserve(arena: Arena, words: list[tuple[int, int]]) -> list[Any]:
     """Slots for ``words`` (see :meth:`Arena.reserve`), evicting a 256th of the arena at a
     time when it is full."""
     return arena.reserve(words, max(1, arena.geometry.slots // 256))
+
+
+def _slot_addresses(arena: Arena, slots: Sequence[int | None]) -> np.ndarray:
+    """Where each slot starts in this process, as uint64 (0 for None): the slots a batch
+    was given views of (in the arena: :meth:`Arena.slot` checked them)."""
+    at = np.array([-1 if s is None else s for s in slots], dtype=np.int64)
+    assert arena.data is not None  # mapped: the views are of it
+    step = np.uint64(arena.geometry.slot_bytes)
+    out = np.uint64(address_of(arena.data)) + at.astype(np.uint64) * step
+    out[at < 0] = 0
+    return out
 
 
 def _unfilled(reserved: tuple[int, int]) -> tuple[int, int, int, int, bytes]:

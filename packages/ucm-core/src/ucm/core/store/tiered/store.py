@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 from ucm.core.settings import GIB, ConfigError
 from ucm.core.store.base import Store, StoreUsage, check_batch, check_keys
 from ucm.core.store.dram.process import DramStore
@@ -285,6 +286,9 @@ class _TieredWrites(SlotWrites):
         self._keys = [bytes(k) for k in keys]
         self._nbytes = nbytes
         self._layout = layout
+
+    def addresses(self) -> np.ndarray:
+        return self._inner.addresses()
 
     def abort(self) -> None:
         self._inner.abort()
