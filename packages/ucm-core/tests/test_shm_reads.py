@@ -12,8 +12,10 @@ import time
 
 import numpy as np
 import pytest
+from ucm.core import address_of
 from ucm.core.digest import block_digest
 from ucm.core.store import SharedMemoryStore, Status, create_store
+from ucm.core.store.reads import SlotReads
 from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
 
 SIZE = 40_000
@@ -52,6 +54,9 @@ def test_misses_and_other_blocks_are_not_lent(shm_dir):
     assert reads is not None
     assert [r.status for r in reads.task.wait(10)] == [Status.OK, Status.ERROR, Status.MISS]
     assert reads.views[0] is not None and reads.views[1] is None and reads.views[2] is None
+    # the views as one table of addresses (a GPU's copy takes them at once), 0 for none
+    assert reads.addresses().tolist() == [address_of(reads.views[0]), 0, 0]
+    assert reads.addresses().tolist() == SlotReads.addresses(reads).tolist()
     assert reads.release() == [True, False, False]
     # another size is not lent either
     other = store.open_reads([key(1)], SIZE - 1, b"tag")

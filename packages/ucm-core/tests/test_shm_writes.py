@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from ucm.core import address_of
 from ucm.core.digest import block_digest
 from ucm.core.store import SharedMemoryStore, Status, create_store
 from ucm.core.store.writes import SlotWrites
@@ -79,6 +80,26 @@ def test_digests_computed_by_the_copy_seal_the_blocks_without_the_store_reading_
         store.open_writes([key(i) for i in (5, 6, 7)], SIZE, b"tag").commit([1, 2])
     assert store._arena.stats()["writing"] == 0
     store.close()
+
+
+def test_the_rooms_addresses_are_its_views_as_one_table(shm_dir, tmp_path):
+    # a GPU's copy takes every row's address at once: each the view's own, 0 for none
+    store = dram_store(shm_dir)
+    assert store.wait(store.dump([key(1)], [blob(1, SIZE)], b"tag"))[0].ok
+    ids = [0, 1, 2, 3]
+    writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
+    assert writes is not None and writes.views[1] is None
+    want = [0 if v is None else address_of(v) for v in writes.views]
+    got = writes.addresses()
+    assert got.dtype == np.uint64 and got.tolist() == want
+    assert got.tolist() == SlotWrites.addresses(writes).tolist()  # the interface's own way
+    writes.abort()
+    store.close()
+    tiered = _tiered(shm_dir, tmp_path, write_behind_bytes=1 << 20)
+    writes = tiered.open_writes([key(i) for i in (20, 21)], SIZE, b"tag")
+    assert writes.addresses().tolist() == [address_of(v) for v in writes.views]
+    writes.abort()
+    tiered.close()
 
 
 def test_keys_stored_already_get_no_room_and_count_as_stored(shm_dir):
