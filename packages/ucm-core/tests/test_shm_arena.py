@@ -209,6 +209,81 @@ def test_eviction_takes_the_least_recently_used_and_never_a_block_being_read(shm
     store.close()
 
 
+def test_a_large_batch_on_a_full_arena_evicts_as_key_by_key(shm_dir, monkeypatch):
+    # a busy server's arena is full: a batch of 64 keys or more evicts the least recently
+    # used in one pass (numpy), as the loop does a few at a time; the blocks present, the
+    # count evicted and what each key gets come out the same, a block being read is never
+    # taken, nor a block the batch is told is stored
+    size = 4096
+    outcomes = {}
+    for way in ("numpy", "loop"):
+        monkeypatch.setattr(arena_module, "VECTOR_MIN_KEYS", 64 if way == "numpy" else 10**9)
+        store = open_store(shm_dir / way, capacity_gb=128 * size / GIB, block=size)
+        slots = store._arena.geometry.slots
+        keys = [key(i) for i in range(slots + 100)]
+        for at in range(0, slots, 32):
+            part = range(at, min(at + 32, slots))
+            assert all(
+                r.ok
+                for r in store.wait(
+                    store.dump([keys[i] for i in part], [blob(i, size) for i in part])
+                )
+            )
+        again = list(range(0, 8)) + list(range(40, 44))  # read again: the most recent
+        assert all(
+            r.ok
+            for r in store.wait(
+                store.load([keys[i] for i in again], [bytearray(size) for _ in again])
+            )
+        )
+        (pin,) = store._arena.pin(store._words(keys[8:9]))  # a load in progress
+        batch = list(range(slots, slots + 60)) + list(range(40, 44))  # 60 new, 4 stored
+        writes = store.open_writes([keys[i] for i in batch], size)
+        assert writes is not None
+        for view, i in zip(writes.views, batch):
+            if view is not None:
+                np.frombuffer(view, np.uint8)[:] = np.frombuffer(blob(i, size), np.uint8)
+        results = store.wait(writes.commit())
+        assert store._arena.unpin([pin]) == [True]  # never reclaimed while read
+        outcomes[way] = (
+            [r.status for r in results],
+            [None if v is None else v.nbytes for v in writes.views],
+            store.lookup(keys),
+            store.evicted_blocks,
+        )
+        out = [bytearray(size) for _ in batch]
+        assert all(r.ok for r in store.wait(store.load([keys[i] for i in batch], out)))
+        assert [bytes(o) for o in out] == [bytes(blob(i, size)) for i in batch]
+        store.close()
+    assert outcomes["numpy"] == outcomes["loop"]
+    present = outcomes["numpy"][2]
+    assert all(present[i] for i in [*again, 8]) and outcomes["numpy"][3] == 60
+
+
+@pytest.mark.parametrize("way", ["numpy", "loop"])
+def test_a_batch_keeps_the_blocks_it_is_told_are_stored(shm_dir, monkeypatch, way):
+    # the oldest blocks of a full arena, named in a batch that must evict: they stay (the
+    # batch was told they are stored), the next oldest go
+    monkeypatch.setattr(arena_module, "VECTOR_MIN_KEYS", 64 if way == "numpy" else 10**9)
+    size = 4096
+    store = open_store(shm_dir, capacity_gb=128 * size / GIB, block=size)
+    slots = store._arena.geometry.slots
+    keys = [key(i) for i in range(slots + 100)]
+    for at in range(0, slots, 32):
+        part = range(at, min(at + 32, slots))
+        assert all(
+            r.ok
+            for r in store.wait(store.dump([keys[i] for i in part], [blob(i, size) for i in part]))
+        )
+    batch = [0, 1, *range(slots, slots + 70)]
+    writes = store.open_writes([keys[i] for i in batch], size)
+    assert writes.views[0] is None and writes.views[1] is None
+    writes.abort()
+    present = store.lookup(keys)
+    assert present[0] and present[1] and not any(present[2:72]) and all(present[72:slots])
+    store.close()
+
+
 def test_keys_chosen_to_share_their_low_bits_do_not_make_long_probes(shm_dir):
     # Block keys are hashes of prompts a client chooses: a client could search for prompts
     # whose keys share their low bits.  Were those a key's home bucket, every such key would
