@@ -25,6 +25,7 @@ from ucm.kernels.mover import (
     row_buffers,
     write_run,
 )
+from ucm.kernels.row_table import RowTable
 
 
 def test_rows_given_back_are_taken_again_from_one_allocation():
@@ -194,9 +195,21 @@ def test_the_caller_decides_which_loaded_blocks_count_and_rows_go_back(device, s
         assert torch.equal(got[5:8].cpu(), old[5:8].cpu())  # not used: not scattered
 
 
+def _as_registered(mover: Mover, store) -> None:
+    """On the CPU, the store's memory taken as a GPU host's registered memory (there is no
+    driver to register it with): the mover hands its stager row tables, the GPU's way,
+    through a scratch of the CPU's."""
+    for region in store.host_memory():
+        mover.pinned._regions.append(torch.frombuffer(region, dtype=torch.uint8))
+
+
+TABLES = ["rows", "tables"] if not torch.cuda.is_available() else ["rows"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("host", TABLES)
 def test_blocks_digested_by_the_copy_are_sealed_with_it_and_checked_on_the_way_back(
-    device, shm_dir, monkeypatch
+    device, host, shm_dir, monkeypatch
 ):
     # what a GPU does (device_digests defaults to on there; here the CPU plays the device):
     # the store books the digests the copy computed without reading a byte, lends its
@@ -210,6 +223,9 @@ def test_blocks_digested_by_the_copy_are_sealed_with_it_and_checked_on_the_way_b
     keys = [bytes([120 + i]) * 16 for i in range(4)]
     mover = Mover(MoverSettings(device_digests=True))
     with _store("dram", None, shm_dir, nbytes) as store:
+        if host == "tables":
+            _as_registered(mover, store)
+            monkeypatch.setattr(RowTable, "of", _counted(RowTable.of, made := []))
         with monkeypatch.context() as patch:
             patch.setattr(shared, "move_sealed_batch", _never_called)
             dumped = mover.dump(Batch(source, [0, 1, 2, 3], keys, store, b"t", nbytes))
@@ -230,13 +246,18 @@ def test_blocks_digested_by_the_copy_are_sealed_with_it_and_checked_on_the_way_b
         assert [r.status for r in results] == [Status.OK, Status.CORRUPT, Status.OK, Status.OK]
         assert store.lookup(keys) == [True, False, True, True]  # dropped when given back
         mover.close()
+    if host == "tables":
+        assert made  # the dumps and the checked loads went by row tables
     for got, src, old in zip(target.tensors, source.tensors, before):
         assert torch.equal(got[[4, 6, 7]].cpu(), src[[0, 2, 3]].cpu())
         assert torch.equal(got[5].cpu(), old[5].cpu())  # failed on the way: not scattered
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(device, shm_dir):
+@pytest.mark.parametrize("host", TABLES)
+def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(
+    device, host, shm_dir, monkeypatch
+):
     # blocks of 1 MiB gathered from 8 heads: through the store's memory on the CPU too, each
     # step's copy queued before the one before it is settled
     source, target = _big_caches(device, 9), _big_caches(device, 10)
@@ -247,6 +268,9 @@ def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(device, shm_dir
     deadline = time.monotonic() + 30
     ids = list(range(n))
     with _store("dram", None, shm_dir, nbytes) as store:
+        if host == "tables":
+            _as_registered(mover, store)
+            monkeypatch.setattr(RowTable, "of", _counted(RowTable.of, made := []))
         batch = Batch(source, ids, keys, store, b"t", nbytes)
         assert mover.route(batch, cache_lent=True)[0] is Route.STORE_MEMORY
         assert write_run(mover, batch, deadline, "t") == n
@@ -254,9 +278,19 @@ def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(device, shm_dir
         assert read_run(mover, Batch(target, ids, keys, store, b"t", nbytes), deadline, "t") == 7
         assert not store.lookup([keys[7]])[0]
         mover.close()
+    if host == "tables":
+        assert len(made) >= 8  # every step each way went by a row table
     for at in range(7):
         for got, want in zip(_block(target, at), _block(source, at)):
             assert torch.equal(got, want)
+
+
+def _counted(make, made: list):
+    def counted(*args, **kwargs):
+        made.append(1)
+        return make(*args, **kwargs)
+
+    return counted
 
 
 def _big_caches(device: str, seed: int) -> Caches:

@@ -154,6 +154,11 @@ class PinnedRegions:
             return False
         return True
 
+    @property
+    def regions(self) -> tuple[torch.Tensor, ...]:
+        """The registered regions, a uint8 tensor over each."""
+        return tuple(self._regions)
+
     def __len__(self) -> int:
         return len(self._addresses)
 
@@ -202,7 +207,7 @@ def host_rows(
     (:meth:`PinnedRegions.table`), else tensors (:meth:`PinnedRegions.rows`)."""
     views = [lent.views[i] for i in which]
     nbytes = views[0].nbytes if views and views[0] is not None else 0
-    if pinned and nbytes and all(v is not None and v.nbytes == nbytes for v in views):
+    if pinned.regions and nbytes and all(v is not None and v.nbytes == nbytes for v in views):
         table = pinned.table(lent.addresses()[which], nbytes)
         if table is not None:
             return table
