@@ -209,26 +209,30 @@ def test_eviction_takes_the_least_recently_used_and_never_a_block_being_read(shm
     store.close()
 
 
+def _full_arena(root, size: int) -> tuple[SharedMemoryStore, list[bytes]]:
+    """A store with room for about 128 blocks, filled in the order of its keys (key 0 the
+    oldest), and keys for 100 more."""
+    store = open_store(root, capacity_gb=128 * size / GIB, block=size)
+    slots = store._arena.geometry.slots
+    keys = [key(i) for i in range(slots + 100)]
+    for at in range(0, slots, 32):
+        part = range(at, min(at + 32, slots))
+        dumped = store.dump([keys[i] for i in part], [blob(i, size) for i in part])
+        assert all(r.ok for r in store.wait(dumped))
+    return store, keys
+
+
 def test_a_large_batch_on_a_full_arena_evicts_as_key_by_key(shm_dir, monkeypatch):
     # a busy server's arena is full: a batch of 64 keys or more evicts the least recently
     # used in one pass (numpy), as the loop does a few at a time; the blocks present, the
-    # count evicted and what each key gets come out the same, a block being read is never
-    # taken, nor a block the batch is told is stored
+    # count evicted and what each key gets come out the same, and a block being read is
+    # never taken
     size = 4096
     outcomes = {}
     for way in ("numpy", "loop"):
         monkeypatch.setattr(arena_module, "VECTOR_MIN_KEYS", 64 if way == "numpy" else 10**9)
-        store = open_store(shm_dir / way, capacity_gb=128 * size / GIB, block=size)
+        store, keys = _full_arena(shm_dir / way, size)
         slots = store._arena.geometry.slots
-        keys = [key(i) for i in range(slots + 100)]
-        for at in range(0, slots, 32):
-            part = range(at, min(at + 32, slots))
-            assert all(
-                r.ok
-                for r in store.wait(
-                    store.dump([keys[i] for i in part], [blob(i, size) for i in part])
-                )
-            )
         again = list(range(0, 8)) + list(range(40, 44))  # read again: the most recent
         assert all(
             r.ok
@@ -266,15 +270,8 @@ def test_a_batch_keeps_the_blocks_it_is_told_are_stored(shm_dir, monkeypatch, wa
     # batch was told they are stored), the next oldest go
     monkeypatch.setattr(arena_module, "VECTOR_MIN_KEYS", 64 if way == "numpy" else 10**9)
     size = 4096
-    store = open_store(shm_dir, capacity_gb=128 * size / GIB, block=size)
+    store, keys = _full_arena(shm_dir, size)
     slots = store._arena.geometry.slots
-    keys = [key(i) for i in range(slots + 100)]
-    for at in range(0, slots, 32):
-        part = range(at, min(at + 32, slots))
-        assert all(
-            r.ok
-            for r in store.wait(store.dump([keys[i] for i in part], [blob(i, size) for i in part]))
-        )
     batch = [0, 1, *range(slots, slots + 70)]
     writes = store.open_writes([keys[i] for i in batch], size)
     assert writes.views[0] is None and writes.views[1] is None

@@ -757,10 +757,8 @@ def _slot_addresses(arena: Arena, slots: Sequence[int | None]) -> np.ndarray:
     was given views of (in the arena: :meth:`Arena.slot` checked them)."""
     at = np.array([-1 if s is None else s for s in slots], dtype=np.int64)
     assert arena.data is not None  # mapped: the views are of it
-    step = np.uint64(arena.geometry.slot_bytes)
-    out = np.uint64(address_of(arena.data)) + at.astype(np.uint64) * step
-    out[at < 0] = 0
-    return out
+    start = address_of(arena.data) + at.clip(0).astype(np.uint64) * arena.geometry.slot_bytes
+    return np.where(at < 0, np.uint64(0), start)
 
 
 def _unfilled(reserved: tuple[int, int]) -> tuple[int, int, int, int, bytes]:
