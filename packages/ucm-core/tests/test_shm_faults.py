@@ -416,6 +416,51 @@ def test_something_else_at_the_store_path_is_refused_with_what_it_is_and_the_fix
         os.unlink(shm_dir)
 
 
+def test_a_large_booked_commit_that_cannot_get_the_lock_loses_its_blocks_not_its_room(shm_dir):
+    # a GPU's batch of digests, published as arrays, while another thread holds the lock
+    # past the wait: every key an error, in bounded time, and the room owed back at the
+    # next hold (none left WRITING); the next batch commits
+    from ucm.core.digest import block_digest
+
+    block = 4096
+    store = open_store(shm_dir, capacity_bytes=1 << 20, block=block)
+    try:
+        keys = [key(i) for i in range(80)]
+        writes = store.open_writes(keys, block, b"t")
+        for i, view in enumerate(writes.views):
+            view[:] = blob(i, block).tobytes()
+        digests = [block_digest(blob(i, block)) for i in range(80)]
+        arena = store._arena
+        held, free = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with arena.locked():
+                held.set()
+                free.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(5)
+        try:
+            started = time.monotonic()
+            results = store.wait(writes.commit(digests), 30)
+            assert time.monotonic() - started < arena_module.LOCK_WAIT_S + 2
+        finally:
+            free.set()
+            holder.join()
+        assert not any(r.ok for r in results)
+        with arena.locked():  # gives back what the commit owes
+            pass
+        assert arena.stats()["writing"] == 0 and store.lookup(keys) == [False] * 80
+        again = store.open_writes(keys, block, b"t")
+        for i, view in enumerate(again.views):
+            view[:] = blob(i, block).tobytes()
+        assert all(r.ok for r in store.wait(again.commit(digests)))
+        assert store.lookup(keys) == [True] * 80
+    finally:
+        store.close()
+
+
 # -- a load copied without the GIL: its two holds of the lock, and a close meanwhile --
 
 

@@ -15,6 +15,7 @@ import pytest
 from ucm.core import address_of
 from ucm.core.digest import block_digest
 from ucm.core.store import SharedMemoryStore, Status, create_store
+from ucm.core.store.dram.arena import Arena
 from ucm.core.store.writes import SlotWrites
 from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
 
@@ -54,28 +55,47 @@ def test_blocks_written_in_place_load_as_if_dumped(shm_dir, monkeypatch, signed)
     store.close()
 
 
+@pytest.mark.parametrize("more", [0, 67])  # a large batch's digests are booked as arrays
 @pytest.mark.parametrize("signed", [False, True])
 def test_digests_computed_by_the_copy_seal_the_blocks_without_the_store_reading_them(
-    shm_dir, monkeypatch, signed
+    shm_dir, monkeypatch, signed, more
 ):
     # a GPU's kernels digest the blocks as they gather them: the store books what it is
     # given (a wrong digest is a block that fails its check at load: proof that the store
     # never read it), except a signed store, whose MAC needs the bytes
     monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
+    booked = []
+    as_arrays = Arena.publish_booked
+    monkeypatch.setattr(
+        Arena, "publish_booked", lambda *a, **k: booked.append(as_arrays(*a, **k)) or booked[-1]
+    )
     store = dram_store(shm_dir, **({"secret": "env:UCM_TEST_SECRET"} if signed else {}))
     assert store.wait(store.dump([key(0)], [blob(0, SIZE)], b"tag"))[0].ok
-    ids = [0, 1, 2]
+    ids = [0, 1, 2, *range(10, 10 + more)]
     writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")
     assert writes.takes_digests is not signed and writes.views[0] is None
     _fill(writes, ids)
     digests = [None, block_digest(blob(1, SIZE)), block_digest(blob(2, SIZE)) ^ 1]
+    digests += [block_digest(blob(i, SIZE)) for i in ids[3:]]
     assert all(r.ok for r in store.wait(writes.commit(digests)))
     results, out = _loaded(store, ids)
     if signed:
         assert all(r.ok for r in results)
     else:
-        assert [r.status for r in results] == [Status.OK, Status.OK, Status.CORRUPT]
+        bad = [Status.CORRUPT if i == 2 else Status.OK for i in ids]
+        assert [r.status for r in results] == bad
     np.testing.assert_array_equal(out[1], blob(1, SIZE))
+    assert len(booked) == (1 if more and not signed else 0) and None not in booked
+    if more:  # every key new and given its digest (the whole batch at once)
+        fresh = list(range(100, 100 + more))
+        writes = store.open_writes([key(i) for i in fresh], SIZE, b"tag")
+        _fill(writes, fresh)
+        booked = writes.commit(np.array([block_digest(blob(i, SIZE)) for i in fresh], np.uint64))
+        assert all(r.ok for r in store.wait(booked))
+        results, out = _loaded(store, fresh)
+        assert all(r.ok for r in results) and all(
+            np.array_equal(got, blob(i, SIZE)) for i, got in zip(fresh, out)
+        )
     with pytest.raises(ValueError, match="2 digests for 3 keys"):  # the room goes back
         store.open_writes([key(i) for i in (5, 6, 7)], SIZE, b"tag").commit([1, 2])
     assert store._arena.stats()["writing"] == 0

@@ -115,6 +115,8 @@ LEASE_NS = 30_000_000_000
 #: cost of 100-200 us, under the loop's from about 64 keys on a small VM) where nothing
 #: unusual happens (no duplicate key, every slot as expected); the others key by key
 VECTOR_MIN_KEYS = 64
+#: mixes a key's two words into one, to find a batch's repeated keys with a 1-D unique
+_PAIR_MIX = 0x9E3779B97F4A7C15
 #: the compiled library (``native/arena_pins.c``: a batch's pins and unpins in one call,
 #: holding the GIL), None in a pure-Python wheel (tests set it None)
 _LIBRARY = NATIVE_HELD
@@ -127,6 +129,11 @@ LOCK_WAIT_S = 2.0
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 #: a lookup's wait, where writers kept the index changing: it is a hint, a miss is cheap
 LOOKUP_WAIT_S = 0.05
+
+
+def vectorised(keys: int) -> bool:
+    """Whether a batch of ``keys`` goes the numpy way (:data:`VECTOR_MIN_KEYS`)."""
+    return keys >= VECTOR_MIN_KEYS
 
 
 class ArenaMismatch(Exception):
@@ -794,15 +801,65 @@ class Arena:
         """:meth:`publish`'s loop with numpy (caller holds the lock), where nothing unusual
         happens: every slot still this writer's for its key, every length given, no key
         twice and none published meanwhile; else None (the loop handles it)."""
-        npc, sb = self.np, self._sb
         slots = np.array([w[0] for w in written], dtype=np.int64)
         gens = np.array([w[1] for w in written], dtype=np.uint64)
         lengths = np.array([w[2] for w in written], dtype=np.int64)
-        if (lengths < 0).any() or len(set(keys)) != len(keys):
+        layouts = np.array([w[3] for w in written], dtype=np.uint64)
+        seals = np.array([w[4].ljust(SEAL_BYTES, b"\0") for w in written], "V32")
+        words = np.array(keys, dtype=np.uint64).reshape(-1, 2)
+        return self._publish_arrays(slots, gens, lengths, layouts, seals, words, word)
+
+    def publish_booked(
+        self,
+        slots: np.ndarray,
+        gens: np.ndarray,
+        words: np.ndarray,
+        length: int,
+        layout: int,
+        digests: np.ndarray,
+        wait_s: float = LOCK_WAIT_S,
+    ) -> list[bool] | None:
+        """:meth:`publish` for reserved slots written with blocks of one length and layout
+        whose digests the writer gives (each slot's seal), as arrays: no object a key.
+        None where anything is unusual (then :meth:`publish`, which handles it)."""
+        n = slots.size
+        if not (gens.size == digests.size == n and words.shape == (n, 2)):
+            raise ValueError("publish_booked takes one gen, key and digest a slot")
+        seals = np.zeros((n, SEAL_BYTES), np.uint8)
+        seals[:, :8] = np.ascontiguousarray(digests, dtype="<u8").view(np.uint8).reshape(n, 8)
+        with self.locked(wait_s):
+            word = self._owner_word
+            if not word:
+                return None
+            return self._publish_arrays(
+                slots.astype(np.int64),
+                gens.astype(np.uint64),
+                np.full(n, length, np.int64),
+                np.full(n, layout, np.uint64),
+                seals.view("V32").reshape(n),
+                words.astype(np.uint64),
+                word,
+            )
+
+    def _publish_arrays(
+        self,
+        slots: np.ndarray,
+        gens: np.ndarray,
+        lengths: np.ndarray,
+        layouts: np.ndarray,
+        seals: np.ndarray,
+        words: np.ndarray,
+        word: int,
+    ) -> list[bool] | None:
+        """The body of :meth:`_publish_all` over arrays (caller holds the lock)."""
+        npc, sb = self.np, self._sb
+        if (lengths < 0).any() or (slots < 0).any() or (slots >= self.geometry.slots).any():
             return None
         if np.unique(slots).size != slots.size:
             return None
-        words = np.array(keys, dtype=np.uint64).reshape(-1, 2)
+        # a key twice (or two keys whose words mix alike: the loop then, as for a key twice)
+        if np.unique(words[:, 0] ^ (words[:, 1] * np.uint64(_PAIR_MIX))).size != words.shape[0]:
+            return None
         mine = (
             (npc["state"][slots] == WRITING)
             & (npc["gen"][slots] == gens)
@@ -819,8 +876,8 @@ class Arena:
             return None
         self._seq_begin()
         npc["length"][slots] = lengths
-        npc["layout"][slots] = np.array([w[3] for w in written], dtype=np.uint64)
-        npc["seal"][slots] = np.array([w[4].ljust(SEAL_BYTES, b"\0") for w in written], "V32")
+        npc["layout"][slots] = layouts
+        npc["seal"][slots] = seals
         tick = int(sb[SB_TICK])
         npc["last_used"][slots] = np.arange(tick + 1, tick + 1 + slots.size, dtype=np.uint64)
         sb[SB_TICK] = tick + slots.size

@@ -58,6 +58,7 @@ from ucm.core.store.dram.arena import (
     ArenaMismatch,
     Geometry,
     Pinned,
+    vectorised,
 )
 from ucm.core.store.dram.config import DramStoreConfig
 from ucm.core.store.dram.memfs import MEMORY_FILESYSTEMS, check_memory_filesystem, mount_of
@@ -662,7 +663,6 @@ class _ArenaWrites(SlotWrites):
     def commit(self, digests: Sequence[int | None] | None = None) -> Task:
         self._end()
         settled = _settled(self._reserved)
-        nbytes = max((view.nbytes for view in self.views if view is not None), default=0)
         if digests is not None and len(digests) != len(self._reserved):
             self._give_back(
                 [i for i, got in enumerate(self._reserved) if not isinstance(got, bool)]
@@ -670,6 +670,7 @@ class _ArenaWrites(SlotWrites):
             raise ValueError(f"{len(digests)} digests for {len(self._reserved)} keys")
         if digests is not None and self.takes_digests:
             return self._book(digests, settled)
+        nbytes = max((view.nbytes for view in self.views if view is not None), default=0)
         return self._store._spread(
             len(self._reserved), nbytes, self._store._seal_chunk, self._arena, self._words,
             self._reserved, self.views, self._layout_word, digests, settled=settled,
@@ -684,16 +685,46 @@ class _ArenaWrites(SlotWrites):
         task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
         todo = [i for i, r in enumerate(settled) if r is None]
         views = cast("list[memoryview]", self.views)  # None only for the settled keys
-        if todo:
-            task.run_keys(
-                todo,
-                lambda: self._store._seal_chunk(
-                    task, todo, self._arena, self._words, self._reserved, views,
-                    self._layout_word, digests,
-                ),
-                lambda: self._give_back(todo),
+
+        def book() -> list[KeyResult]:
+            return self._publish_booked(todo, digests) or self._store._seal_chunk(
+                task, todo, self._arena, self._words, self._reserved, views,
+                self._layout_word, digests,
             )  # fmt: skip
+
+        if todo:
+            task.run_keys(todo, book, lambda: self._give_back(todo))
         return task
+
+    def _publish_booked(
+        self, todo: list[int], digests: Sequence[int | None]
+    ) -> list[KeyResult] | None:
+        """A large batch's digests published as arrays, no object a key
+        (:meth:`Arena.publish_booked`); None where that does not apply (a small batch, a
+        key with no digest, anything unusual in the arena): the key-by-key way then."""
+        if not vectorised(len(todo)):
+            return None
+        whole = len(todo) == len(self._reserved)
+        try:
+            got = np.array(self._reserved if whole else [self._reserved[i] for i in todo], np.int64)
+            found = np.array(digests if whole else [digests[i] for i in todo], np.uint64)
+        except (TypeError, ValueError, OverflowError):  # a None, or not a digest
+            return None
+        if got.shape != (len(todo), 2) or found.shape != (len(todo),):
+            return None
+        words = np.array(self._words if whole else [self._words[i] for i in todo], np.uint64)
+        nbytes = cast("memoryview", self.views[todo[0]]).nbytes  # one size a batch
+        arena = self._arena
+        try:
+            published = arena.publish_booked(
+                got[:, 0], got[:, 1], words, nbytes, self._layout_word, found
+            )
+        except ArenaBusy:  # given back unwritten at this process's next hold of the lock
+            arena.owe_writes([self._reserved[i] for i in todo])
+            return [_LOST] * len(todo)
+        if published is None:
+            return None
+        return [OK if done else _LOST for done in published]
 
     def abort(self) -> None:
         self._end()
