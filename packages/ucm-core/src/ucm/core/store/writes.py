@@ -46,7 +46,8 @@ class SlotWrites(abc.ABC):
         """Seal and publish what the views hold, on the store's threads: one result per key,
         as a dump's.  ``digests``: per key, the digest (:mod:`ucm.core.digest`) of what its
         view holds, computed as it was copied in (a GPU's copy kernels; None where a key
-        has no view): a store that :attr:`takes_digests` seals with them and never reads
+        has no view; or, where every key has one, a uint64 array of them): a store that
+        :attr:`takes_digests` seals with them and never reads
         the bytes (and may publish them before it returns: there is nothing to copy),
         another ignores them."""
 
