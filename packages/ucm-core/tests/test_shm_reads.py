@@ -8,6 +8,7 @@ given back.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 from ucm.core import address_of
 from ucm.core.digest import block_digest
 from ucm.core.store import SharedMemoryStore, Status, create_store
+from ucm.core.store.dram import shared
+from ucm.core.store.dram.arena import PinnedRows
 from ucm.core.store.reads import SlotReads
 from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
 
@@ -97,6 +100,79 @@ def test_blocks_lent_unchecked_come_with_their_digests_and_the_caller_drops_the_
     assert reads.release() == [True, True, False]
     assert store.lookup([key(1), key(2)]) == [True, False]  # dropped when given back
     assert store._arena.stats()["pinned"] == 0
+    store.close()
+
+
+def test_a_large_batch_lent_unchecked_is_lent_as_key_by_key(shm_dir, monkeypatch):
+    # from 64 keys the pins stay the compiled call's rows (no object a key): what is lent,
+    # settled, handed out and given back comes out as it does key by key, misses, blocks of
+    # another layout, a dropped block and the books included
+    from ucm.core.store.dram import arena as arena_module
+
+    if arena_module._LIBRARY is None:
+        pytest.skip("the library was not built here (no C compiler)")
+    outcomes = {}
+    for way in ("rows", "pins"):
+        if way == "pins":
+            monkeypatch.setattr(shared, "vectorised", lambda n: False)
+        store = dram_store(shm_dir / way)
+        _dumped(store, list(range(70)))
+        _dumped(store, [80], layout=b"other")
+        ids = [*range(70), 80, 81]  # 70 stored, one of another layout, one missing
+        reads = store.open_reads([key(i) for i in ids], SIZE, b"tag", check=False)
+        assert isinstance(reads.pinned, PinnedRows) is (way == "rows")
+        results = reads.task.wait(10)
+        for i, view in zip(ids[:70], reads.views):
+            np.testing.assert_array_equal(np.frombuffer(view, np.uint8), blob(i, SIZE))
+        places = [0 if v is None else address_of(v) for v in reads.views]
+        reads.drop([5])
+        outcomes[way] = (
+            [(r.status, r.detail) for r in results],
+            reads.digests,
+            [v is None for v in reads.views],
+            reads.addresses().tolist() == places,
+            reads.release(),
+            store.lookup([key(i) for i in ids]),
+            store._arena.stats()["pinned"],
+        )
+        store.close()
+    assert outcomes["rows"] == outcomes["pins"]
+    statuses, digests, _, addressed, held, present, pinned = outcomes["rows"]
+    assert addressed
+    assert [s for s, _ in statuses] == [Status.OK] * 70 + [Status.ERROR, Status.MISS]
+    assert digests == [block_digest(blob(i, SIZE)) for i in range(70)] + [None, None]
+    assert held == [True] * 70 + [False, False] and pinned == 0  # lent and held to the end
+    assert present == [i != 5 for i in range(70)] + [True, False]  # 5 dropped
+
+
+def test_a_large_batch_given_back_while_the_lock_is_held_is_owed_then_paid(shm_dir):
+    from ucm.core.store.dram import arena as arena_module
+
+    store = dram_store(shm_dir)
+    _dumped(store, list(range(70)))
+    reads = store.open_reads([key(i) for i in range(70)], SIZE, b"tag", check=False)
+    arena = store._arena
+    assert arena.stats()["pinned"] == 70
+    held, free = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with arena.locked():
+            held.set()
+            free.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    try:
+        started = time.monotonic()
+        assert reads.release() == [False] * 70  # not had: none said to have held
+        assert time.monotonic() - started < arena_module.LOCK_WAIT_S + 2
+    finally:
+        free.set()
+        holder.join()
+    with arena.locked():  # pays back the pins owed
+        pass
+    assert arena.stats()["pinned"] == 0 and all(store.lookup([key(i) for i in range(70)]))
     store.close()
 
 

@@ -169,10 +169,36 @@ def _pin_of(row: Sequence[int], seals: bytes, k: int) -> Pinned:
     return Pinned(slot, gen, length, layout, seals[SEAL_BYTES * k : SEAL_BYTES * (k + 1)])
 
 
-def _pins_of(rows: np.ndarray, seals: bytes, slots: int) -> list[Pinned | None]:
-    """The pins of ``(n, 4)`` rows (None where the slot is ``slots``: no pin)."""
-    table = rows.tolist()
-    return [_pin_of(row, seals, k) if row[0] < slots else None for k, row in enumerate(table)]
+class PinnedRows(Sequence["Pinned | None"]):
+    """A batch's pins as the compiled call left them: a row a key (slot, ``slots`` where
+    the key has no pin; gen, length, layout) and a seal each, a :class:`Pinned` made only
+    where one is asked for (a batch lent to a GPU's copy asks for none: its slots, lengths
+    and digests are read from the rows at once)."""
+
+    __slots__ = ("held", "rows", "seals")
+
+    def __init__(self, rows: np.ndarray, seals: bytes, slots: int) -> None:
+        self.rows = rows  # (n, 4) uint64
+        self.seals = seals  # SEAL_BYTES a key
+        self.held = rows[:, 0] < slots  # the keys pinned
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def __getitem__(self, k: int) -> Pinned | None:  # type: ignore[override]
+        k = range(len(self))[k]  # an IndexError past the end, as a list's
+        return _pin_of(self.rows[k].tolist(), self.seals, k) if self.held[k] else None
+
+    def __iter__(self) -> Iterator[Pinned | None]:
+        table, seals = self.rows.tolist(), self.seals
+        return (
+            _pin_of(row, seals, k) if h else None
+            for k, (row, h) in enumerate(zip(table, self.held))
+        )
+
+    def digests(self) -> np.ndarray:
+        """Each key's stored digest, the first word of its seal (uint64)."""
+        return np.frombuffer(self.seals, "<u8").reshape(len(self), SEAL_BYTES // 8)[:, 0]
 
 
 class LoadedChunk(NamedTuple):
@@ -935,8 +961,23 @@ class Arena:
                 out.append(Pinned(s, self._gen[s], self._len[s], self._layout[s], seal))
         return out
 
+    def pin_rows(
+        self, keys: Sequence[tuple[int, int]], wait_s: float = LOCK_WAIT_S
+    ) -> PinnedRows | None:
+        """:meth:`pin` as the compiled call's rows, no object a key; None where the library
+        is not built (then :meth:`pin`).  Given back with :meth:`unpin_rows`."""
+        if _LIBRARY is None:
+            return None
+        now = time.monotonic_ns()
+        with self.locked(wait_s):
+            return self._pin_rows(keys, now)
+
     def _pin_compiled(self, keys: Sequence[tuple[int, int]], now: int) -> list[Pinned | None]:
         """:meth:`pin`'s loop in one compiled call (caller holds the lock)."""
+        return list(self._pin_rows(keys, now))
+
+    def _pin_rows(self, keys: Sequence[tuple[int, int]], now: int) -> PinnedRows:
+        """The compiled pins (caller holds the lock)."""
         assert _LIBRARY is not None
         n, slots = len(keys), self.geometry.slots
         words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
@@ -947,7 +988,7 @@ class Arena:
             words.ctypes.data, now + LEASE_NS, rows.ctypes.data, seals,
         )  # fmt: skip
         self._index.long_walk |= longest > LONG_WALK
-        return _pins_of(rows, seals.raw, slots)
+        return PinnedRows(rows, seals.raw, slots)
 
     def load_compiled(
         self,
@@ -1002,7 +1043,7 @@ class Arena:
             return None
         loaded = LoadedChunk(codes.tolist(), rows, seals.raw)
         if flags.value & _F_UNPINNED_LATER:  # let go at this process's next hold
-            self.owe_pins([p for p in _pins_of(rows, loaded.seals, g.slots) if p is not None])
+            self.owe_pins([p for p in PinnedRows(rows, loaded.seals, g.slots) if p is not None])
             raise ArenaBusy(f"the arena in {self.folder} stayed locked for {wait_s} s")
         bad = [loaded.pin(k) for k, code in enumerate(loaded.codes) if code == CORRUPT]
         if flags.value & _F_LONG_WALK or bad:
@@ -1054,30 +1095,62 @@ class Arena:
         """Release the pins; drop the ``bad`` slots (failed verification) unless another
         reader holds them.  For each pin, whether the slot was still the one pinned (else
         its lease ran out and it was reused: what was read is not the block)."""
-        out = []
         now = time.monotonic_ns()
         with self.locked(wait_s):
             if _LIBRARY is not None and pinned:
                 held = np.fromiter(itertools.chain.from_iterable((p.slot, p.gen) for p in pinned),
                                    np.uint64, 2 * len(pinned))  # fmt: skip
-                kept = ctypes.create_string_buffer(len(pinned))
-                _LIBRARY.ucm_arena_unpin(
-                    self._pin_columns.ctypes.data, self.geometry.slots, len(pinned),
-                    held.ctypes.data, kept,
-                )  # fmt: skip
-                out = [bool(b) for b in kept.raw]
+                out = self._unpin_compiled(held.reshape(-1, 2))
             else:
-                for p in pinned:
-                    same = self._gen[p.slot] == p.gen
-                    out.append(same)
-                    if same:
-                        self._unpin_one(p, False, now)
-            if bad:
-                self._seq_begin()
-                for p in bad:
-                    self._unpin_one(p, True, now, pinned=False)
-                self._seq_end()
+                out = self._unpin_each(pinned, now)
+            self._drop_bad(bad, now)
         return out
+
+    def unpin_rows(
+        self, pins: PinnedRows, bad: Sequence[Pinned] = (), wait_s: float = LOCK_WAIT_S
+    ) -> list[bool]:
+        """:meth:`unpin` of :meth:`pin_rows`' pins: per key, whether its pin held to the end
+        (False where it had none)."""
+        now = time.monotonic_ns()
+        out = np.zeros(len(pins), bool)
+        with self.locked(wait_s):
+            if _LIBRARY is not None:
+                out[pins.held] = self._unpin_compiled(pins.rows[pins.held][:, :2])
+            else:  # (the library taken away since: tests)
+                held = [p for p in pins if p is not None]
+                out[pins.held] = self._unpin_each(held, now)
+            self._drop_bad(bad, now)
+        return out.tolist()  # type: ignore[no-any-return]
+
+    def _unpin_compiled(self, held: np.ndarray) -> list[bool]:
+        """Release the pins ``held`` ((n, 2): slot, gen) in one compiled call (caller holds
+        the lock); whether each slot was still the one pinned."""
+        assert _LIBRARY is not None
+        held = np.ascontiguousarray(held, np.uint64)
+        n = held.shape[0]
+        if not n:
+            return []
+        kept = ctypes.create_string_buffer(n)
+        _LIBRARY.ucm_arena_unpin(
+            self._pin_columns.ctypes.data, self.geometry.slots, n, held.ctypes.data, kept
+        )
+        return [bool(b) for b in kept.raw]
+
+    def _unpin_each(self, pinned: Sequence[Pinned], now: int) -> list[bool]:
+        out = []
+        for p in pinned:
+            same = self._gen[p.slot] == p.gen
+            out.append(same)
+            if same:
+                self._unpin_one(p, False, now)
+        return out
+
+    def _drop_bad(self, bad: Sequence[Pinned], now: int) -> None:
+        if bad:
+            self._seq_begin()
+            for p in bad:
+                self._unpin_one(p, True, now, pinned=False)
+            self._seq_end()
 
     def _unpin_one(self, p: Pinned, drop: bool, now: int, *, pinned: bool = True) -> None:
         s = p.slot

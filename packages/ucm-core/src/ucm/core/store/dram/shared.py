@@ -58,6 +58,7 @@ from ucm.core.store.dram.arena import (
     ArenaMismatch,
     Geometry,
     Pinned,
+    PinnedRows,
     vectorised,
 )
 from ucm.core.store.dram.config import DramStoreConfig
@@ -510,7 +511,11 @@ class SharedMemoryStore(Store):
         arena.map_data()
         words = self._words(keys)
         layout_word = _layout_word(layout)
+        unchecked = not check and self._signer is None  # the caller checks what it copies
         try:
+            rows = arena.pin_rows(words) if unchecked and vectorised(len(keys)) else None
+            if rows is not None:
+                return _lent_unchecked(arena, rows, nbytes, layout_word)
             pinned = arena.pin(words)
         except ArenaBusy as exc:
             log.debug("ucm dram store: no blocks lent in place (%s)", exc)
@@ -528,7 +533,7 @@ class SharedMemoryStore(Store):
                 views.append(arena.slot(pin.slot, pin.length))
                 settled.append(None)
         reads = _ArenaReads(arena, pinned, views)
-        if not check and self._signer is None:  # the caller checks what it copies out
+        if unchecked:
             reads.digests = [
                 None if view is None else int.from_bytes(pin.seal[:8], "little")  # type: ignore[union-attr]
                 for view, pin in zip(views, pinned)
@@ -735,11 +740,35 @@ class _ArenaWrites(SlotWrites):
         self._store._publish(self._arena, written, [self._words[i] for i in slotted])
 
 
+def _lent_unchecked(arena: Arena, pins: PinnedRows, nbytes: int, layout_word: int) -> _ArenaReads:
+    """A large batch lent unchecked from its pins' rows, with no object a key but its
+    view: the blocks of the length and layout asked lent with their stored digests, the
+    others settled (a miss, another length or layout) and given back with the rest."""
+    rows, n = pins.rows, len(pins)
+    fits = pins.held & (rows[:, 2] == nbytes) & (rows[:, 3] == layout_word)
+    views: list[memoryview | None] = [None] * n
+    settled: list[KeyResult] = [OK] * n
+    digests: list[int | None] = pins.digests().tolist()
+    for k, s in zip(np.flatnonzero(fits).tolist(), rows[fits, 0].tolist()):
+        views[k] = arena.slot(s, nbytes)
+    for k in np.flatnonzero(~fits).tolist():
+        pin = pins[k]
+        settled[k] = MISS if pin is None else _mismatch(pin, nbytes, layout_word)
+        digests[k] = None
+    reads = _ArenaReads(arena, pins, views)
+    reads.digests = digests
+    reads.task = Task.completed(settled)
+    return reads
+
+
 class _ArenaReads(SlotReads):
     """Slots of the arena pinned for a batch (see :meth:`SharedMemoryStore.open_reads`)."""
 
     def __init__(
-        self, arena: Arena, pinned: list[Pinned | None], views: list[memoryview | None]
+        self,
+        arena: Arena,
+        pinned: list[Pinned | None] | PinnedRows,
+        views: list[memoryview | None],
     ) -> None:
         self.views = views
         self.pinned = pinned
@@ -748,7 +777,13 @@ class _ArenaReads(SlotReads):
         self._released = False
 
     def addresses(self) -> np.ndarray:
-        slots = [None if v is None else p.slot for v, p in zip(self.views, self.pinned)]  # type: ignore[union-attr]
+        pinned = self.pinned
+        if isinstance(pinned, PinnedRows):
+            at = pinned.rows[:, 0].tolist()
+            return _slot_addresses(
+                self._arena, [None if v is None else at[k] for k, v in enumerate(self.views)]
+            )
+        slots = [None if v is None else p.slot for v, p in zip(self.views, pinned)]  # type: ignore[union-attr]
         return _slot_addresses(self._arena, slots)
 
     def drop(self, indices: Sequence[int]) -> None:
@@ -804,10 +839,18 @@ def _settled(reserved: list[Any]) -> list[KeyResult | None]:
     return [OK if got is True else _FULL if got is False else None for got in reserved]
 
 
-def _unpin(arena: Arena, pinned: list[Pinned | None], bad: Sequence[Pinned]) -> list[bool]:
+def _unpin(
+    arena: Arena, pinned: list[Pinned | None] | PinnedRows, bad: Sequence[Pinned]
+) -> list[bool]:
     """Release a batch's pins (``None`` where a key had none), dropping the ``bad`` ones;
     per key, whether its pin held to the end (False where it had none).  ``ArenaBusy``
     where the lock was not had."""
+    if isinstance(pinned, PinnedRows):
+        try:
+            return arena.unpin_rows(pinned, bad)
+        except ArenaBusy:
+            arena.owe_pins([pin for pin in pinned if pin is not None], bad)
+            raise
     pins = [pin for pin in pinned if pin is not None]
     try:
         kept = iter(arena.unpin(pins, bad) if pins else [])
