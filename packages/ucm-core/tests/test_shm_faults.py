@@ -23,7 +23,7 @@ from ucm.core.settings import GIB, ConfigError
 from ucm.core.store import PosixStore, SharedMemoryStore, Status, create_store
 from ucm.core.store.dram import arena as arena_module
 from ucm.core.store.dram.index import EMPTY, TOMB
-from ucm.lab.testing.core import blob, key
+from ucm.lab.testing.core import blob, key, lock_held_elsewhere
 
 CHILD_TIMEOUT = 60
 BLOCK = 4096
@@ -431,23 +431,10 @@ def test_a_large_booked_commit_that_cannot_get_the_lock_loses_its_blocks_not_its
             view[:] = blob(i, block).tobytes()
         digests = [block_digest(blob(i, block)) for i in range(80)]
         arena = store._arena
-        held, free = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with arena.locked():
-                held.set()
-                free.wait(10)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        held.wait(5)
-        try:
+        with lock_held_elsewhere(arena):
             started = time.monotonic()
             results = store.wait(writes.commit(digests), 30)
             assert time.monotonic() - started < arena_module.LOCK_WAIT_S + 2
-        finally:
-            free.set()
-            holder.join()
         assert not any(r.ok for r in results)
         with arena.locked():  # gives back what the commit owes
             pass

@@ -8,7 +8,6 @@ given back.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -19,7 +18,7 @@ from ucm.core.store import SharedMemoryStore, Status, create_store
 from ucm.core.store.dram import shared
 from ucm.core.store.dram.arena import PinnedRows
 from ucm.core.store.reads import SlotReads
-from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key
+from ucm.lab.testing.core import blob, dram_store, flip_shared_block_byte, key, lock_held_elsewhere
 
 SIZE = 40_000
 
@@ -153,23 +152,10 @@ def test_a_large_batch_given_back_while_the_lock_is_held_is_owed_then_paid(shm_d
     reads = store.open_reads([key(i) for i in range(70)], SIZE, b"tag", check=False)
     arena = store._arena
     assert arena.stats()["pinned"] == 70
-    held, free = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with arena.locked():
-            held.set()
-            free.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(5)
-    try:
+    with lock_held_elsewhere(arena):
         started = time.monotonic()
         assert reads.release() == [False] * 70  # not had: none said to have held
         assert time.monotonic() - started < arena_module.LOCK_WAIT_S + 2
-    finally:
-        free.set()
-        holder.join()
     with arena.locked():  # pays back the pins owed
         pass
     assert arena.stats()["pinned"] == 0 and all(store.lookup([key(i) for i in range(70)]))

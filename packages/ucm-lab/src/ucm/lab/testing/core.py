@@ -3,7 +3,10 @@ on an index or a key alone, so any process checks any block it loads without ask
 that wrote it), the stores the tests open, Mooncake's settings, bytes flipped in shared
 memory."""
 
+import contextlib
 import secrets
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import xxhash
@@ -147,3 +150,24 @@ def _flip_in_arena(folder, pin, offset: int) -> int:
     finally:
         os.close(fd)
     return len(places)
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(arena) -> Iterator[None]:
+    """Another thread of this process holds ``arena``'s lock (a dram store's) until the
+    block ends: whatever the block asks of the arena waits for it, and gives up."""
+    held, free = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with arena.locked():
+            held.set()
+            free.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        yield
+    finally:
+        free.set()
+        holder.join()
