@@ -47,6 +47,7 @@ import collections
 import ctypes
 import itertools
 import mmap
+import operator
 import os
 import threading
 import time
@@ -186,7 +187,7 @@ class PinnedRows(Sequence["Pinned | None"]):
         return int(self.rows.shape[0])
 
     def __getitem__(self, k: int) -> Pinned | None:  # type: ignore[override]
-        k = range(len(self))[k]  # an IndexError past the end, as a list's
+        k = range(len(self))[operator.index(k)]  # an IndexError past the end, as a list's
         return _pin_of(self.rows[k].tolist(), self.seals, k) if self.held[k] else None
 
     def __iter__(self) -> Iterator[Pinned | None]:
