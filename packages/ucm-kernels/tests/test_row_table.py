@@ -22,6 +22,10 @@ def _backends(device: str = "cpu") -> list[str]:
     return ["torch"] + (["triton"] if triton_available(device) else [])
 
 
+def _rows(table: RowTable) -> list[torch.Tensor]:
+    return [table.base[o : o + table.nbytes] for o in table.offsets.tolist()]
+
+
 def test_a_table_is_checked_where_it_is_made() -> None:
     base = torch.zeros(4096, dtype=torch.uint8)
     with pytest.raises(ValueError, match="row 1 .* outside the region of 4096 bytes"):
@@ -41,11 +45,8 @@ def test_a_table_is_checked_where_it_is_made() -> None:
 def test_runs_are_rows_one_after_another_in_the_tables_order() -> None:
     table = RowTable.of(torch.zeros(1024, dtype=torch.uint8), np.array([0, 64, 128, 512, 448]), 64)
     assert table.runs() == [(0, 3, 0), (3, 1, 512), (4, 1, 448)]
-    assert table.stacked() is None
-    whole = table.part([0, 1, 2])
-    stacked = whole.stacked()
-    assert stacked is not None and stacked.shape == (3, 64)
-    assert stacked.data_ptr() == table.base.data_ptr()  # a view: a copy lands in the rows
+    run = table.run_view(0, 3)
+    assert run.shape == (3, 64) and run.data_ptr() == table.base.data_ptr()  # a view
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -110,7 +111,7 @@ def test_the_stager_takes_a_table_as_it_takes_rows(backend: str) -> None:
     assert stager.dump(caches, ids, table, digests=digests).done()
     want = torch.zeros(len(ids), nbytes, dtype=torch.uint8)
     HostStager("cpu").dump(caches, ids, want).wait()
-    assert torch.equal(torch.stack(table.tensors()), want)
+    assert torch.equal(torch.stack(_rows(table)), want)
     assert torch.equal(digests, row_digests(want))
 
     target = [torch.zeros_like(c) for c in caches]
@@ -174,7 +175,7 @@ def test_cuda_stager_moves_a_table_of_registered_rows(rows: int) -> None:
         stager.dump(caches, ids, table, digests=digests).wait()
         want = torch.zeros(count, nbytes, dtype=torch.uint8)
         HostStager("cpu").dump([c.cpu() for c in caches], ids, want).wait()
-        assert torch.equal(torch.stack(table.tensors()), want)
+        assert torch.equal(torch.stack(_rows(table)), want)
         assert torch.equal(digests, row_digests(want))
         table.base[int(table.offsets[0]) + 8] ^= 1
         target = [torch.zeros_like(c) for c in caches]
@@ -201,7 +202,7 @@ def test_cuda_kernel_copies_rows_of_registered_memory() -> None:
         dense = torch.randint(0, 256, (40, 65536 - 16), dtype=torch.uint8, device="cuda")
         copy_rows(dense, table, to_table=True, backend="triton")
         torch.cuda.synchronize()
-        assert torch.equal(torch.stack(table.tensors()), dense.cpu())
+        assert torch.equal(torch.stack(_rows(table)), dense.cpu())
         back = torch.zeros_like(dense)
         copy_rows(back, table, to_table=False, backend="triton")
         assert torch.equal(back, dense)

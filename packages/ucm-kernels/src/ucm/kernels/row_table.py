@@ -54,11 +54,11 @@ class RowTable:
                 f"row {i} ({nbytes} bytes at offset {int(at[i])}) lies outside the region "
                 f"of {base.numel()} bytes"
             )
-        if at.size > 1:
-            order = np.sort(at)
-            if (np.diff(order) < nbytes).any():
-                i = int((np.diff(order) < nbytes).argmax())
-                raise ValueError(f"rows at offsets {int(order[i])} and {int(order[i + 1])} overlap")
+        order = np.sort(at)
+        close = np.diff(order) < nbytes
+        if close.any():
+            i = int(close.argmax())
+            raise ValueError(f"rows at offsets {int(order[i])} and {int(order[i + 1])} overlap")
         return cls(base, torch.from_numpy(at.copy()), nbytes)
 
     def __len__(self) -> int:
@@ -70,10 +70,6 @@ class RowTable:
 
     def is_pinned(self) -> bool:
         return bool(self.base.is_pinned())
-
-    def part(self, which: list[int]) -> RowTable:
-        """The rows ``which``, in that order."""
-        return RowTable(self.base, self.offsets[which], self.nbytes)
 
     def runs(self) -> list[tuple[int, int, int]]:
         """Maximal runs of rows lying one after another, in the table's order: ``(first
@@ -89,18 +85,6 @@ class RowTable:
     def run_view(self, offset: int, rows: int) -> torch.Tensor:
         """``rows`` rows from byte ``offset`` as one ``[rows, nbytes]`` view of the base."""
         return self.base[offset : offset + rows * self.nbytes].view(rows, self.nbytes)
-
-    def stacked(self) -> torch.Tensor | None:
-        """Every row as one ``[rows, nbytes]`` view where they are one run, else None."""
-        runs = self.runs()
-        if len(runs) != 1:
-            return None
-        _, rows, offset = runs[0]
-        return self.run_view(offset, rows)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """A tensor a row (what the copies take where a table is not taken)."""
-        return [self.base[o : o + self.nbytes] for o in self.offsets.tolist()]
 
 
 def copy_rows(dense: torch.Tensor, table: RowTable, to_table: bool, backend: str = "auto") -> None:
