@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 import attrs
+import numpy as np
 import torch
 
 from ucm.kernels.api import Backend, execute
@@ -251,7 +252,7 @@ class HostStager:
         count = plan.num_store_blocks
         if len(expected) != count:
             raise ValueError(f"{len(expected)} digests for {count} blocks")
-        want = torch.tensor([as_int64(e) for e in expected], dtype=torch.int64)
+        want = _as_int64s(expected)
         if plan.device.type != "cuda":
             got = torch.cat([row_digests(row.view(1, -1)) for row in plan.raw]) if count else want
             ok = got == want
@@ -345,7 +346,7 @@ class HostStager:
                 copy_rows(scratch, table, to_table=False, backend=rows)
                 execute(plan, self.backend)
             else:
-                want = torch.tensor([as_int64(e) for e in expected], dtype=torch.int64)
+                want = _as_int64s(expected)
                 wanted = want.pin_memory().to(device, non_blocking=True) if cuda else want
                 copy_rows(scratch, table, to_table=False, backend=rows)
                 ok = row_digests(scratch, self.backend) == wanted
@@ -432,6 +433,15 @@ class HostStager:
         if plan.direction == GATHER:
             _copy_rows(scratch, plan)
         return TransferHandle()
+
+
+def _as_int64s(expected: Sequence[int]) -> torch.Tensor:
+    """Digests (unsigned 64-bit) as the int64s with their bits, in one conversion (a Python
+    call a block cost 1.1 ms a 1,024)."""
+    try:
+        return torch.from_numpy(np.array(expected, dtype=np.uint64).view(np.int64))
+    except (OverflowError, TypeError, ValueError):  # not all unsigned 64-bit: bit by bit
+        return torch.tensor([as_int64(e) for e in expected], dtype=torch.int64)
 
 
 def _copy_rows(scratch: torch.Tensor, plan: TransferPlan) -> None:
