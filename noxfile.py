@@ -537,6 +537,15 @@ def bench_tier(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench_host(session: nox.Session) -> None:
+    """The host's share of a GPU host's copies (both adapters' calls, the device's work
+    skipped), on any machine, against the link's speed."""
+    session.install(TORCH)
+    session.install("-e", CORE, "-e", KERNELS, "-e", FASTDEPLOY, "-e", LAB)
+    session.run("python", "-m", "ucm.lab.kernels.bench_host", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def bench_fastdeploy(session: nox.Session) -> None:
     """FastDeploy's AttentionStore on the posix store against raw file I/O in the same run,
     and the slice-write overhead; JSON last."""
