@@ -12,6 +12,7 @@ from ucm.lab.testing.kernels import GatedLayers
 
 from ucm.kernels import IN_PLACE_MIN_BYTES, block_segments
 from ucm.kernels.mover import (
+    Ahead,
     Batch,
     Caches,
     Mover,
@@ -283,6 +284,85 @@ def test_a_run_stops_at_a_block_that_fails_its_digest_on_the_way(
     for at in range(7):
         for got, want in zip(_block(target, at), _block(source, at)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_run_gathers_the_next_runs_first_step_before_committing_its_last(device, shm_dir):
+    # a sliced write (FastDeploy's) through the store's memory: the first step of the next
+    # slice is copied into room reserved for it before this slice's last step is committed
+    # (on a GPU the link does not idle between slices), and used by the next run as it is
+    source, target = _big_caches(device, 11), _big_caches(device, 12)
+    nbytes = source.payload_nbytes()
+    keys = [bytes([200 + i]) * 16 for i in range(8)]
+    mover = Mover(MoverSettings(step_bytes=2 * nbytes, device_digests=True))
+    deadline = time.monotonic() + 30
+    with _store("dram", None, shm_dir, nbytes) as store:
+        events: list[tuple[str, tuple[bytes, ...]]] = []
+        open_writes = store.open_writes
+
+        def spied(keys_, *args, **kwargs):
+            writes = open_writes(keys_, *args, **kwargs)
+            events.append(("open", tuple(keys_)))
+            commit = writes.commit
+
+            def committed(*a, **k):
+                events.append(("commit", tuple(keys_)))
+                return commit(*a, **k)
+
+            writes.commit = committed
+            return writes
+
+        store.open_writes = spied
+        ahead = Ahead(mover.pool)
+        first = Batch(source, [0, 1, 2, 3], keys[:4], store, b"t", nbytes)
+        assert mover.route(first, cache_lent=True)[0] is Route.STORE_MEMORY
+        assert write_run(mover, first, deadline, "t", ahead, [4, 5, 6, 7], keys[4:]) == 4
+        assert (
+            events
+            == [
+                ("open", tuple(keys[0:2])),
+                ("open", tuple(keys[2:4])),
+                ("commit", tuple(keys[0:2])),
+                ("open", tuple(keys[4:6])),  # the next run's first step, before the last commit
+                ("commit", tuple(keys[2:4])),
+            ]
+        )
+        assert store.lookup(keys[4:6]) == [False, False]  # gathered, not committed
+        second = Batch(source, [4, 5, 6, 7], keys[4:], store, b"t", nbytes)
+        assert write_run(mover, second, deadline, "t", ahead) == 4
+        assert ("open", tuple(keys[4:6])) not in events[5:]  # its room taken from ahead
+        assert not ahead.rooms
+        ids = list(range(8))
+        assert read_run(mover, Batch(target, ids, keys, store, b"t", nbytes), deadline, "t") == 8
+        mover.close()
+    for at in range(8):
+        for got, want in zip(_block(target, at), _block(source, at)):
+            assert torch.equal(got, want)
+
+
+def test_a_next_run_that_never_comes_gives_its_room_back_unwritten(shm_dir):
+    source = _big_caches("cpu", 13)
+    nbytes = source.payload_nbytes()
+    keys = [bytes([220 + i]) * 16 for i in range(6)]
+    mover = Mover(MoverSettings(step_bytes=2 * nbytes, device_digests=True))
+    deadline = time.monotonic() + 30
+    with _store("dram", None, shm_dir, nbytes) as store:
+        ahead = Ahead(mover.pool)
+        first = Batch(source, [0, 1], keys[:2], store, b"t", nbytes)
+        assert write_run(mover, first, deadline, "t", ahead, [2, 3], keys[2:4]) == 2
+        assert len(ahead.rooms) == 1
+        ahead.release()  # the caller's next slice is not written (this one fell short)
+        assert not ahead.rooms
+        assert store.lookup(keys[:4]) == [True, True, False, False]
+        # the room is free again: the same keys are written anew, and stored
+        again = Batch(source, [2, 3], keys[2:4], store, b"t", nbytes)
+        assert write_run(mover, again, deadline, "t") == 2
+        assert store.lookup(keys[2:4]) == [True, True]
+        # a run that stops short (its deadline passed) begins no next run
+        late = Batch(source, [4, 5], keys[4:6], store, b"t", nbytes)
+        assert write_run(mover, late, time.monotonic() - 1, "t", ahead, [0], keys[:1]) == 0
+        assert not ahead.rooms
+        mover.close()
 
 
 def _counted(make, made: list):

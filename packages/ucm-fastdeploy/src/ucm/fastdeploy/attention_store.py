@@ -293,7 +293,7 @@ class AttentionStore:
             timeout,
         )
 
-        ahead = Ahead(self._mover.pool)  # through rows: the next slice's first steps, early
+        ahead = Ahead(self._mover.pool)  # the next slice's first steps, gathered early
         caches, tag = cs.for_mover(), cs.tag()
 
         def write_slice(s: int, e: int, budget: float) -> int:
@@ -304,9 +304,11 @@ class AttentionStore:
                 tag, cs.nbytes,
             )  # fmt: skip
             following_ids = ids[e - start : following - start]
+            following_keys = keys[e - start : following - start]
             return write_run(
-                self._mover, batch, deadline, f"fastdeploy {label}", ahead, following_ids
-            )
+                self._mover, batch, deadline, f"fastdeploy {label}", ahead, following_ids,
+                following_keys,
+            )  # fmt: skip
 
         try:
             report = write_sliced(
