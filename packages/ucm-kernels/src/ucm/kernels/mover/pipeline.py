@@ -117,6 +117,8 @@ class Ahead:
 
     def take_room(self, part: Batch) -> RoomWrite | None:
         """The room gathered for exactly ``part``'s blocks and keys, if any."""
+        if not self.rooms:  # (every step asks: no key made where none is kept)
+            return None
         return self.rooms.pop(_part_key(part), None)
 
     def release(self) -> None:
