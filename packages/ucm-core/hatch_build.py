@@ -1,5 +1,5 @@
 """Build ucm-core's one compiled part (``native/``): the block digest, the dram store's
-sealed copies, pins, lock and loads, and the posix store's digested reads.
+sealed copies, pins, write books, lock and loads, and the posix store's digested reads.
 
 It is a plain shared library loaded with ctypes, not a Python extension, so one wheel serves
 every Python version of a platform (``py3-none-<platform>``).  Where no C compiler is found,
@@ -26,6 +26,7 @@ SOURCES = [
     "native/digest.c",
     "native/sealed_moves.c",
     "native/arena_pins.c",
+    "native/arena_books.c",
     "native/arena_lock.c",
     "native/arena_loads.c",
     "native/file_reads.c",

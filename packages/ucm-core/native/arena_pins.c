@@ -14,9 +14,6 @@
 
 #include "arena.h"
 
-#define EMPTY 0xFFFFFFFFu
-#define TOMB 0xFFFFFFFEu
-#define READY 2u
 #define MIX 0x9E3779B97F4A7C15ULL
 
 ucm_arena ucm_arena_columns(const uint64_t *cols, uint64_t slots, uint64_t buckets,
@@ -26,6 +23,8 @@ ucm_arena ucm_arena_columns(const uint64_t *cols, uint64_t slots, uint64_t bucke
     a.state = (uint32_t *)(uintptr_t)cols[C_STATE];
     a.pins = (uint32_t *)(uintptr_t)cols[C_PINS];
     a.gen = (uint32_t *)(uintptr_t)cols[C_GEN];
+    a.owner = (uint32_t *)(uintptr_t)cols[C_OWNER];
+    a.free = (uint32_t *)(uintptr_t)cols[C_FREE];
     a.key0 = (uint64_t *)(uintptr_t)cols[C_KEY0];
     a.key1 = (uint64_t *)(uintptr_t)cols[C_KEY1];
     a.length = (uint64_t *)(uintptr_t)cols[C_LENGTH];
@@ -40,16 +39,19 @@ ucm_arena ucm_arena_columns(const uint64_t *cols, uint64_t slots, uint64_t bucke
     return a;
 }
 
-/* The bucket holding the key, or -1 (index.py: Index.find); ``*walk`` gets the steps.
- * ``buckets`` is a power of two, at least 2. */
-static int64_t find(const ucm_arena *a, uint64_t k0, uint64_t k1, uint64_t *walk) {
+/* ``buckets`` is a power of two, at least 2. */
+uint64_t ucm_arena_home(const ucm_arena *a, uint64_t k0) {
+    return ((k0 ^ a->salt) * MIX) >> (64 - __builtin_ctzll(a->buckets));
+}
+
+int64_t ucm_arena_find(const ucm_arena *a, uint64_t k0, uint64_t k1, uint64_t *walk) {
     uint64_t mask = a->buckets - 1;
-    uint64_t i = ((k0 ^ a->salt) * MIX) >> (64 - __builtin_ctzll(a->buckets));
+    uint64_t i = ucm_arena_home(a, k0);
     for (uint64_t step = 0; step < a->buckets; step++) {
         uint32_t s = a->islot[i];
-        if (s == EMPTY || (s != TOMB && a->ik0[i] == k0 && a->ik1[i] == k1)) {
+        if (s == UCM_EMPTY || (s != UCM_TOMB && a->ik0[i] == k0 && a->ik1[i] == k1)) {
             *walk = step;
-            return s == EMPTY ? -1 : (int64_t)i;
+            return s == UCM_EMPTY ? -1 : (int64_t)i;
         }
         i = (i + 1) & mask;
     }
@@ -65,11 +67,12 @@ uint64_t ucm_arena_pin_keys(const ucm_arena *a, uint64_t n, const uint64_t *keys
     uint64_t longest = 0;
     for (uint64_t k = 0; k < n; k++) {
         uint64_t k0 = keys[2 * k], k1 = keys[2 * k + 1], walk;
-        int64_t b = find(a, k0, k1, &walk);
+        int64_t b = ucm_arena_find(a, k0, k1, &walk);
         longest = walk > longest ? walk : longest;
         uint64_t s = b >= 0 ? a->islot[b] : a->slots;
         uint64_t *row = rows + 4 * k;
-        if (s >= a->slots || a->state[s] != READY || a->key0[s] != k0 || a->key1[s] != k1) {
+        if (s >= a->slots || a->state[s] != UCM_READY || a->key0[s] != k0 ||
+            a->key1[s] != k1) {
             row[0] = a->slots, row[1] = row[2] = row[3] = 0;
             memset(seals + UCM_SEAL_BYTES * k, 0, UCM_SEAL_BYTES);
             continue;

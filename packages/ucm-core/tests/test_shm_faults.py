@@ -318,7 +318,8 @@ def test_a_live_writer_keeps_its_slots_through_a_recovery_in_another_pid_namespa
 
 @pytest.fixture(params=["compiled", "python"])
 def pins(request, monkeypatch):
-    """The arena's pins in one compiled call, or key by key in Python."""
+    """The arena's books (pins, reservations, publications) in one compiled call each, or
+    key by key in Python."""
     if request.param == "compiled" and arena_module._LIBRARY is None:
         pytest.skip("the library was not built here (no C compiler)")
     if request.param == "python":
@@ -363,6 +364,90 @@ def test_pins_walk_an_index_without_an_empty_bucket_within_its_bound(shm_dir, pi
         out = [bytearray(BLOCK) for _ in keys]
         assert all(r.ok for r in store.wait(store.load(keys, out), 30))
         assert all(bytes(o) == blob(i, BLOCK).tobytes() for i, o in enumerate(out))
+    finally:
+        store.close()
+
+
+# -- damaged write books stop a batch, never write over a block, and are mended --
+
+
+@pytest.mark.parametrize("damage", ["a slot in use", "a slot past the arena", "too long"])
+def test_a_damaged_free_stack_writes_over_no_block_and_is_mended(shm_dir, pins, damage):
+    # a same-user bug leaves the free stack naming a stored block's slot, a slot past the
+    # arena, or more slots than the arena has: the reservation stops (a slot taken from it
+    # would be written over, or out of the arena), and the next hold of the lock rebuilds
+    # the books from the columns, after which blocks are stored again
+    store = open_store(shm_dir)
+    try:
+        assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
+        arena = store._arena
+        slots = arena.geometry.slots
+        (stored,) = arena.ready_slots()
+        with arena.locked():
+            top = arena._sb[arena_module.SB_FREE_TOP]
+            if damage == "too long":
+                arena._sb[arena_module.SB_FREE_TOP] = slots + 1
+            else:
+                arena._free[top - 1] = stored if damage == "a slot in use" else slots + 5
+        recoveries = arena.stats()["recoveries"]
+        with pytest.raises(RuntimeError, match="corrupt free stack"):
+            arena.reserve(store._words([key(2)]), 4)
+        assert store.wait(store.dump([key(2)], [blob(2, BLOCK)]))[0].ok  # mended first
+        assert arena.stats()["recoveries"] == recoveries + 1
+        out = [bytearray(BLOCK) for _ in range(2)]
+        assert all(r.ok for r in store.wait(store.load([key(1), key(2)], out)))
+        assert [bytes(o) for o in out] == [blob(1, BLOCK).tobytes(), blob(2, BLOCK).tobytes()]
+        with arena.locked():
+            assert arena.check() == []
+    finally:
+        store.close()
+
+
+def test_a_block_published_into_an_index_without_a_free_bucket_gives_its_slot_back(shm_dir, pins):
+    # every bucket holds an entry (a same-user bug: no EMPTY bucket, no tombstone): the
+    # publication walks the index within its bound, finds no bucket, gives the slot back
+    # (the block is not stored) and the index is rebuilt from the slots on the way out of
+    # the lock: the stored block is found again, the next dump is stored
+    store = open_store(shm_dir)
+    try:
+        assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
+        arena = store._arena
+        slots = arena.geometry.slots
+        words = store._words([key(2)])
+        (reserved,) = arena.reserve(words, 4)
+        with arena.locked():
+            arena.np["islot"][:] = slots + 1  # an entry in every bucket, for no key
+        assert arena.publish([(*reserved, BLOCK, 0, b"s" * 8)], words) == [False]
+        stats = arena.stats()
+        assert stats["free_slots"] == slots - 1 and stats["writing"] == 0
+        assert stats["index_rebuilds"] >= 1 and store.lookup([key(1), key(2)]) == [True, False]
+        assert store.wait(store.dump([key(2)], [blob(2, BLOCK)]))[0].ok
+        assert store.lookup([key(1), key(2)]) == [True, True]
+        with arena.locked():
+            assert arena.check() == []
+    finally:
+        store.close()
+
+
+def test_a_slot_given_back_onto_a_full_free_stack_is_mended_not_written_past_it(shm_dir, pins):
+    # the free stack says every slot is free while a batch holds one (a same-user bug):
+    # giving the slot back would push it past the stack's end; the call stops instead,
+    # and the next hold of the lock rebuilds the books (the slot free again)
+    store = open_store(shm_dir)
+    try:
+        assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
+        arena = store._arena
+        slots = arena.geometry.slots
+        words = store._words([key(2)])
+        (reserved,) = arena.reserve(words, 4)
+        with arena.locked():
+            arena._sb[arena_module.SB_FREE_TOP] = slots
+        with pytest.raises((RuntimeError, IndexError)):  # (Python's: the stack's own bound)
+            arena.publish([(*reserved, -1, 0, b"")], words)
+        with arena.locked():  # mended on entry
+            assert arena.check() == []
+            assert arena.stats()["free_slots"] == slots - 1  # key 1's slot alone is used
+        assert store.lookup([key(1), key(2)]) == [True, False]
     finally:
         store.close()
 

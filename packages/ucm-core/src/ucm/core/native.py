@@ -1,6 +1,6 @@
 """ucm-core's compiled library (``native/``: the block digest, the dram store's sealed
-copies and pins, the posix store's digested reads), loaded with ctypes where the wheel was built
-with a C compiler."""
+copies, pins and write books, the posix store's digested reads), loaded with ctypes where the
+wheel was built with a C compiler."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def _load(kind: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL | None:
     library.ucm_arena_pin.restype = u64
     library.ucm_arena_unpin.argtypes = [p, u64, u64, p, p]
     library.ucm_arena_unpin.restype = None
+    library.ucm_arena_reserve.argtypes = [p, u64, u64, u64, u64, p, u64, ctypes.c_int, p, p, p]
+    library.ucm_arena_reserve.restype = u64
+    library.ucm_arena_publish.argtypes = [p, u64, u64, u64, u64, p, p, p, p, p, u64, p]
+    library.ucm_arena_publish.restype = u64
     i64 = ctypes.c_int64
     library.ucm_lock_new.argtypes = []
     library.ucm_lock_new.restype = p

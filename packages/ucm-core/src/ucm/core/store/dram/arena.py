@@ -118,12 +118,19 @@ LEASE_NS = 30_000_000_000
 VECTOR_MIN_KEYS = 64
 #: mixes a key's two words into one, to find a batch's repeated keys with a 1-D unique
 _PAIR_MIX = 0x9E3779B97F4A7C15
-#: the compiled library (``native/arena_pins.c``: a batch's pins and unpins in one call,
-#: holding the GIL), None in a pure-Python wheel (tests set it None)
+#: the compiled library (``native/arena_pins.c``, ``arena_books.c``: a batch's pins and
+#: unpins, reservation and publication in one call each, holding the GIL), None in a
+#: pure-Python wheel (tests set it None)
 _LIBRARY = NATIVE_HELD
-#: the sections the compiled pins read and write, in the order of its ``cols`` argument
-_PIN_COLUMNS = ("state", "pins", "gen", "key0", "key1", "length", "layout", "last_used",
-                "lease", "seal", "ik0", "ik1", "islot")  # fmt: skip
+#: the sections the compiled calls read and write, in the order of their ``cols`` argument
+#: (``native/arena.h``)
+_COMPILED_COLUMNS = ("state", "pins", "gen", "key0", "key1", "length", "layout", "last_used",
+                     "lease", "seal", "ik0", "ik1", "islot", "owner", "free")  # fmt: skip
+#: what the compiled reservation says of a key (``native/arena_books.c``)
+_TAKEN, _STORED = 0, 1
+_CORRUPT_STACK = (1 << 64) - 1
+#: what the compiled publication says of the call
+_P_LONG_WALK, _P_CORRUPT = 1, 2
 #: the longest wait for the lock on the engine's path (a holder stopped, not killed, would
 #: otherwise stall every process of the host); the call then fails as a miss or an error
 LOCK_WAIT_S = 2.0
@@ -133,8 +140,10 @@ LOOKUP_WAIT_S = 0.05
 
 
 def vectorised(keys: int) -> bool:
-    """Whether a batch of ``keys`` goes the numpy way (:data:`VECTOR_MIN_KEYS`)."""
-    return keys >= VECTOR_MIN_KEYS
+    """Whether a batch of ``keys`` is booked and lent as arrays, no object a key: any
+    batch where the compiled calls are built, else from :data:`VECTOR_MIN_KEYS` (numpy's
+    fixed cost)."""
+    return _LIBRARY is not None or keys >= VECTOR_MIN_KEYS
 
 
 class ArenaMismatch(Exception):
@@ -401,11 +410,12 @@ class Arena:
         self._len, self._layout, self._used = mv["length"], mv["layout"], mv["last_used"]
         self._lease, self._seal, self._free = mv["lease"], mv["seal"], mv["free"]
         self._salt = int(self._sb[SB_SALT])
-        # the superblock's and the pinned sections' addresses, for the compiled pins: the
-        # mapping lives until close(), and the calls run under the lock, never after it
+        # the superblock's and the sections' addresses, for the compiled calls: the mapping
+        # lives until close(), and the calls run under the lock, never after it
         sb = np.frombuffer(meta, "<u8", count=PAGE // 8)
-        self._pin_columns = np.array(
-            [sb.ctypes.data, *(self.np[name].ctypes.data for name in _PIN_COLUMNS)], np.uint64
+        self._columns = np.array(
+            [sb.ctypes.data, *(self.np[name].ctypes.data for name in _COMPILED_COLUMNS)],
+            np.uint64,
         )
         del sb
         self._index = Index(mv["ik0"], mv["ik1"], mv["islot"], self._salt, self.geometry.buckets)
@@ -682,8 +692,11 @@ class Arena:
         now = time.monotonic_ns()
         out: list[tuple[int, int] | bool] = []
         seen: set[tuple[int, int]] = set()
+        twice = len(set(keys)) != len(keys) if _LIBRARY is not None else True
         with self.locked(wait_s):
             word = self._writer()
+            if not twice:  # (a key twice: the loop, which answers the second "stored")
+                return self._reserve_compiled(keys, word, now, evict_batch)
             if len(keys) >= VECTOR_MIN_KEYS:
                 reserved = self._reserve_all(keys, word, now, evict_batch)
                 if reserved is not None:
@@ -709,6 +722,41 @@ class Arena:
                 self._lease[s] = 0  # a writer's slot has no lease: it is its until it dies
                 self._k0[s], self._k1[s] = k0, k1
                 out.append((s, self._gen[s]))
+        return out
+
+    def _reserve_compiled(
+        self, keys: Sequence[tuple[int, int]], word: int, now: int, evict_batch: int
+    ) -> list[tuple[int, int] | bool]:
+        """:meth:`reserve`'s loop in compiled calls (caller holds the lock; no key twice):
+        one call for the batch, and where the free slots run out, an eviction (sparing the
+        blocks said to be stored so far, as the loop does) and a call for the rest."""
+        assert _LIBRARY is not None
+        n, g = len(keys), self.geometry
+        words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
+        rows = np.zeros((n, 2), np.uint64)
+        codes = np.zeros(n, np.uint8)
+        walk = ctypes.c_uint64(0)
+        done = full = 0
+        # bounded: a round after an eviction settles a key at least (one that frees nothing
+        # makes the next round answer "full" for the rest)
+        while done < n:
+            settled = _LIBRARY.ucm_arena_reserve(
+                self._columns.ctypes.data, g.slots, g.buckets, self._salt, n - done,
+                words[2 * done :].ctypes.data, word, full, rows[done:].ctypes.data,
+                codes[done:].ctypes.data, ctypes.byref(walk),
+            )  # fmt: skip
+            if settled == _CORRUPT_STACK:
+                raise RuntimeError("corrupt free stack")  # the books mended at the next hold
+            done += settled
+            if done < n:
+                stored = rows[:done, 0][codes[:done] == _STORED].astype(np.int64)
+                self._evict(evict_batch, now, stored)
+                full = int(self._sb[SB_FREE_TOP] == 0)
+        self._index.long_walk |= walk.value > LONG_WALK
+        out: list[tuple[int, int] | bool] = (codes == _STORED).tolist()
+        taken = np.flatnonzero(codes == _TAKEN)
+        for i, s, gen in zip(taken.tolist(), *rows[taken].T.tolist()):
+            out[i] = (s, gen)
         return out
 
     def _reserve_all(
@@ -773,6 +821,16 @@ class Arena:
         another process published the key first."""
         out = []
         sb = self._sb
+        if _LIBRARY is not None and written:
+            n = len(written)
+            slots, gens, lengths = np.array([w[:3] for w in written], np.int64).reshape(n, 3).T
+            layouts = np.fromiter((w[3] for w in written), np.uint64, n)
+            seals = b"".join(w[4].ljust(SEAL_BYTES, b"\0") for w in written)
+            words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
+            with self.locked(wait_s):
+                return self._publish_compiled(
+                    slots, gens, lengths, layouts, seals, words, self._owner_word
+                )
         with self.locked(wait_s):
             word = self._owner_word
             if word and len(written) >= VECTOR_MIN_KEYS:
@@ -819,6 +877,47 @@ class Arena:
             self._seq_end()
         return out
 
+    def _publish_compiled(
+        self,
+        slots: np.ndarray,
+        gens: np.ndarray,
+        lengths: np.ndarray,
+        layouts: np.ndarray,
+        seals: bytes | np.ndarray,
+        words: np.ndarray,
+        word: int,
+    ) -> list[bool]:
+        """:meth:`publish`'s loop in one compiled call (caller holds the lock): block ``i``
+        of slot ``slots[i]`` at ``gens[i]``, ``lengths[i]`` bytes (-1: given back), under
+        the key of ``words`` (``2n`` words, or ``(n, 2)``), its seal the ``i``-th 32 bytes
+        of ``seals``."""
+        assert _LIBRARY is not None
+        n, g = slots.size, self.geometry
+        held = np.empty((n, 2), np.uint64)
+        held[:, 0] = slots.astype(np.uint64)  # (a negative slot wraps past the arena)
+        held[:, 1] = gens.astype(np.uint64)
+        lengths = np.ascontiguousarray(lengths, np.int64)
+        layouts = np.ascontiguousarray(layouts, np.uint64)
+        words = np.ascontiguousarray(words, np.uint64)
+        sealed = np.frombuffer(seals, np.uint8) if isinstance(seals, bytes) else seals
+        sealed = np.ascontiguousarray(sealed, np.uint8)
+        if lengths.size != n or layouts.size != n or words.size != 2 * n:
+            raise ValueError("a publication takes one length, layout and key a slot")
+        if sealed.size != SEAL_BYTES * n:
+            raise ValueError(f"a publication takes {SEAL_BYTES} bytes of seal a slot")
+        out = np.zeros(n, np.uint8)
+        self._seq_begin()
+        flags = _LIBRARY.ucm_arena_publish(
+            self._columns.ctypes.data, g.slots, g.buckets, self._salt, n, held.ctypes.data,
+            lengths.ctypes.data, layouts.ctypes.data, sealed.ctypes.data, words.ctypes.data,
+            word, out.ctypes.data,
+        )  # fmt: skip
+        if flags & _P_CORRUPT:  # the books mended at the next hold (dirty stays set)
+            raise RuntimeError("corrupt free stack")
+        self._seq_end()
+        self._index.long_walk |= bool(flags & _P_LONG_WALK)
+        return out.astype(bool).tolist()  # type: ignore[no-any-return]
+
     def _publish_all(
         self,
         written: Sequence[tuple[int, int, int, int, bytes]],
@@ -858,6 +957,11 @@ class Arena:
             word = self._owner_word
             if not word:
                 return None
+            if _LIBRARY is not None:
+                return self._publish_compiled(
+                    slots, gens, np.full(n, length, np.int64), np.full(n, layout, np.uint64),
+                    seals, words, word,
+                )  # fmt: skip
             return self._publish_arrays(
                 slots.astype(np.int64),
                 gens.astype(np.uint64),
@@ -985,7 +1089,7 @@ class Arena:
         rows = np.empty((n, 4), np.uint64)
         seals = ctypes.create_string_buffer(SEAL_BYTES * n)
         longest = _LIBRARY.ucm_arena_pin(
-            self._pin_columns.ctypes.data, slots, self.geometry.buckets, self._salt, n,
+            self._columns.ctypes.data, slots, self.geometry.buckets, self._salt, n,
             words.ctypes.data, now + LEASE_NS, rows.ctypes.data, seals,
         )  # fmt: skip
         self._index.long_walk |= longest > LONG_WALK
@@ -1029,7 +1133,7 @@ class Arena:
             flags = ctypes.c_uint64(0)
             g = self.geometry
             done = NATIVE.ucm_arena_load_chunk(
-                lock, self._lock_fd, self._fd, self._file_bytes, self._pin_columns.ctypes.data,
+                lock, self._lock_fd, self._fd, self._file_bytes, self._columns.ctypes.data,
                 g.slots, g.buckets, self._salt, address_of(data), g.slot_bytes,
                 n, words.ctypes.data, sizes.ctypes.data, layout, counts.ctypes.data,
                 pieces[0].ctypes.data, pieces[1].ctypes.data, LEASE_NS, int(wait_s * 1e9),
@@ -1133,7 +1237,7 @@ class Arena:
             return []
         kept = ctypes.create_string_buffer(n)
         _LIBRARY.ucm_arena_unpin(
-            self._pin_columns.ctypes.data, self.geometry.slots, n, held.ctypes.data, kept
+            self._columns.ctypes.data, self.geometry.slots, n, held.ctypes.data, kept
         )
         return [bool(b) for b in kept.raw]
 
