@@ -163,3 +163,32 @@ def test_scale_checks(backend) -> None:
     buf16 = torch.zeros(2, nbytes, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"buffers\[0\].*with scales.*uint8"):
         gather(caches16, [[1, 2], [3, 4]], buf16, scales=scales, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [[5, 0, 7], (5, 0, 7), [[1, 2], [3, 4], [0, 7]], [[3]], [True, 1], [2**63, 1], [1, -1]],
+)
+def test_block_ids_from_lists_are_what_a_tensor_of_them_gives(given) -> None:
+    # lists of ints go a faster way (numpy); whatever they hold, ids and errors are those
+    # of the same ids as a tensor, or of the checks a tensor goes through
+    from ucm.kernels.validate import normalise_block_ids
+
+    def outcome(ids):
+        try:
+            return normalise_block_ids(ids, 8)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            return type(exc)
+
+    got = outcome(given)
+    try:
+        as_tensor = torch.as_tensor(given)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        assert isinstance(got, type) and issubclass(got, Exception), got  # refused too
+        return
+    want = outcome(as_tensor)
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int64
+        assert got.shape == want.shape and torch.equal(got, want)
+    else:
+        assert got is want
