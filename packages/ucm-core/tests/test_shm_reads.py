@@ -59,6 +59,7 @@ def test_misses_and_other_blocks_are_not_lent(shm_dir):
     # the views as one table of addresses (a GPU's copy takes them at once), 0 for none
     assert reads.addresses().tolist() == [address_of(reads.views[0]), 0, 0]
     assert reads.addresses().tolist() == SlotReads.addresses(reads).tolist()
+    assert reads.view_bytes().tolist() == [SIZE, 0, 0]
     assert reads.release() == [True, False, False]
     # another size is not lent either
     other = store.open_reads([key(1)], SIZE - 1, b"tag")
@@ -130,14 +131,15 @@ def test_a_large_batch_lent_unchecked_is_lent_as_key_by_key(shm_dir, monkeypatch
             reads.digests,
             [v is None for v in reads.views],
             reads.addresses().tolist() == places,
+            reads.view_bytes().tolist(),
             reads.release(),
             store.lookup([key(i) for i in ids]),
             store._arena.stats()["pinned"],
         )
         store.close()
     assert outcomes["rows"] == outcomes["pins"]
-    statuses, digests, _, addressed, held, present, pinned = outcomes["rows"]
-    assert addressed
+    statuses, digests, _, addressed, sizes, held, present, pinned = outcomes["rows"]
+    assert addressed and sizes == [SIZE] * 70 + [0, 0]
     assert [s for s, _ in statuses] == [Status.OK] * 70 + [Status.ERROR, Status.MISS]
     assert digests == [block_digest(blob(i, SIZE)) for i in range(70)] + [None, None]
     assert held == [True] * 70 + [False, False] and pinned == 0  # lent and held to the end

@@ -121,11 +121,19 @@ def test_the_rooms_addresses_are_its_views_as_one_table(shm_dir, tmp_path):
     got = writes.addresses()
     assert got.dtype == np.uint64 and got.tolist() == want
     assert got.tolist() == SlotWrites.addresses(writes).tolist()  # the interface's own way
+    # and their lengths, the views made only when asked for (a GPU's copy asks for none)
+    assert writes.view_bytes().tolist() == [SIZE, 0, SIZE, SIZE]
+    assert writes.view_bytes().tolist() == SlotWrites.view_bytes(writes).tolist()
+    assert [v is None for v in writes.views] == [False, True, False, False]
+    with pytest.raises(IndexError):
+        writes.views[4]
+    assert writes.views[-1] is not None and address_of(writes.views[-1]) == want[-1]
     writes.abort()
     store.close()
     tiered = _tiered(shm_dir, tmp_path, write_behind_bytes=1 << 20)
     writes = tiered.open_writes([key(i) for i in (20, 21)], SIZE, b"tag")
     assert writes.addresses().tolist() == [address_of(v) for v in writes.views]
+    assert writes.view_bytes().tolist() == [SIZE, SIZE]
     writes.abort()
     tiered.close()
 

@@ -187,7 +187,7 @@ def dump_into(
     :meth:`HostStager.dump`.  Where the copy cannot start, the room goes back
     (``writes.abort()``) and the exception propagates: ``ValueError`` where the copy refused
     the store's memory (on a GPU: not registered after all)."""
-    at = [i for i, view in enumerate(writes.views) if view is not None]
+    at = np.flatnonzero(writes.addresses()).tolist()  # the keys with room
     if not at:
         return None
     try:
@@ -205,10 +205,11 @@ def host_rows(
     """The views ``which`` of a store's room or loan as host rows for a
     :class:`~ucm.kernels.HostStager`: one table over the registered region on a GPU host
     (:meth:`PinnedRegions.table`), else tensors (:meth:`PinnedRegions.rows`)."""
-    views = [lent.views[i] for i in which]
-    nbytes = views[0].nbytes if views and views[0] is not None else 0
-    if pinned.regions and nbytes and all(v is not None and v.nbytes == nbytes for v in views):
-        table = pinned.table(lent.addresses()[which], nbytes)
-        if table is not None:
-            return table
-    return pinned.rows(views)  # type: ignore[arg-type]
+    if pinned.regions and which:  # the views as numbers: no object a row
+        sizes = lent.view_bytes()[which]
+        nbytes = int(sizes[0])
+        if nbytes and (sizes == nbytes).all():  # a view each, of one size
+            table = pinned.table(lent.addresses()[which], nbytes)
+            if table is not None:
+                return table
+    return pinned.rows([lent.views[i] for i in which])  # type: ignore[misc]

@@ -182,3 +182,8 @@ def address_of(view: memoryview) -> int:
 def addresses_of(views: Sequence[memoryview | None]) -> np.ndarray:
     """:func:`address_of` of each view as uint64, 0 for ``None``."""
     return np.array([0 if v is None else address_of(v) for v in views], dtype=np.uint64)
+
+
+def view_bytes_of(views: Sequence[memoryview | None]) -> np.ndarray:
+    """Each view's length as uint64, 0 for ``None``."""
+    return np.array([0 if v is None else v.nbytes for v in views], dtype=np.uint64)

@@ -23,7 +23,7 @@ import abc
 from collections.abc import Sequence
 
 import numpy as np
-from ucm.core.store.payload import addresses_of
+from ucm.core.store.payload import addresses_of, view_bytes_of
 from ucm.core.store.task import Task
 
 
@@ -36,7 +36,7 @@ class SlotReads(abc.ABC):
     for ``task``, copies out of the views whose result is ``OK``, then calls
     :meth:`release` exactly once, and never touches a view afterwards."""
 
-    views: list[memoryview | None]
+    views: Sequence[memoryview | None]
     task: Task
     #: per key, the digest its block was stored with, where the blocks are lent unchecked
     #: (``open_reads(check=False)``: ``OK`` in ``task`` means lent, and the caller checks
@@ -47,6 +47,11 @@ class SlotReads(abc.ABC):
         """Per key, where its view starts, as uint64 (0 where it has none): see
         :meth:`SlotWrites.addresses <ucm.core.store.writes.SlotWrites.addresses>`."""
         return addresses_of(self.views)
+
+    def view_bytes(self) -> np.ndarray:
+        """Per key, its view's length, as uint64 (0 where it has none): see
+        :meth:`SlotWrites.view_bytes <ucm.core.store.writes.SlotWrites.view_bytes>`."""
+        return view_bytes_of(self.views)
 
     def drop(self, indices: Sequence[int]) -> None:  # noqa: B027 - stores that check need none
         """Blocks the caller found corrupt as it copied them out (their digest is not the

@@ -17,7 +17,7 @@ import abc
 from collections.abc import Sequence
 
 import numpy as np
-from ucm.core.store.payload import addresses_of
+from ucm.core.store.payload import addresses_of, view_bytes_of
 from ucm.core.store.task import Task
 
 
@@ -29,7 +29,7 @@ class SlotWrites(abc.ABC):
     already: ``OK``; no room: an error).  The caller fills the views, then calls exactly one
     of :meth:`commit` and :meth:`abort`, and never touches a view afterwards."""
 
-    views: list[memoryview | None]
+    views: Sequence[memoryview | None]
     #: whether :meth:`commit` books digests the caller computed instead of reading the
     #: bytes (False for a store that signs: it computes its MAC from the bytes)
     takes_digests: bool = False
@@ -40,6 +40,12 @@ class SlotWrites(abc.ABC):
         :mod:`ucm.kernels.row_table`) rather than an object a row.  Good while the views
         are."""
         return addresses_of(self.views)
+
+    def view_bytes(self) -> np.ndarray:
+        """Per key, its view's length, as uint64 (0 where it has none): with
+        :meth:`addresses`, the views as numbers (a store may make its views only when one
+        is asked for)."""
+        return view_bytes_of(self.views)
 
     @abc.abstractmethod
     def commit(self, digests: Sequence[int | None] | None = None) -> Task:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from ucm.core import KeyResult, SlotReads, Status, Store, Task, address_of
+from ucm.core import KeyResult, SlotReads, Status, Store, Task
 from ucm.core.digest import copy_layer, finish
 
 from ucm.kernels.mover.rows import deferred_payloads
@@ -125,12 +125,13 @@ class LayeredCopy:
             return self._whole()
         self.lent = lent
         results: list[KeyResult | None] = list(lent.task.wait(0))
-        copied = [i for i, r in enumerate(results) if r and r.ok and lent.views[i] is not None]
+        at = lent.addresses()  # (0: no view)
+        copied = [i for i, r in enumerate(results) if r and r.ok and at[i]]
         starts = self._segments.part_addresses()
         lengths = np.array(self._segments.part_lengths(), np.uint64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
         dsts = starts[copied]
-        slots = np.array([address_of(lent.views[i]) for i in copied], np.uint64)  # type: ignore[arg-type]
+        slots = at[copied]
         sums = np.zeros(len(copied), np.uint64)
         for done, layer in enumerate(self._layers):
             if self.task.cancelled:  # the engine takes its blocks back: not a byte more

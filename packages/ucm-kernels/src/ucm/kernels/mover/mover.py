@@ -144,9 +144,8 @@ class RoomWrite:
         if found.size == len(self.writes.views):  # a digest a key, as one array
             return self.writes.commit(found)  # type: ignore[arg-type]
         given = iter(found.tolist())
-        return self.writes.commit(
-            [None if view is None else next(given) for view in self.writes.views]
-        )
+        placed = (self.writes.addresses() != 0).tolist()
+        return self.writes.commit([next(given) if p else None for p in placed])
 
     def abort(self) -> None:
         if self.handle is not None:
@@ -320,7 +319,7 @@ class Mover:
         caches = batch.caches
         digests = None
         if writes.takes_digests and self.digests_on_device(batch):
-            copied = sum(view is not None for view in writes.views)
+            copied = int(np.count_nonzero(writes.addresses()))  # the keys with room
             digests = torch.zeros(
                 copied, dtype=torch.int64, pin_memory=caches.device.type == "cuda"
             )

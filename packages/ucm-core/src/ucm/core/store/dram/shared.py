@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import struct
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -344,7 +345,10 @@ class SharedMemoryStore(Store):
         except (ConfigError, ArenaBusy) as exc:
             log.debug("ucm dram store: no room to write in place (%s)", exc)
             return None  # the caller dumps, and the dump reports what is wrong
-        views = [None if isinstance(got, bool) else arena.slot(got[0], nbytes) for got in reserved]
+        slots = np.fromiter(
+            (-1 if isinstance(got, bool) else got[0] for got in reserved), np.int64, len(reserved)
+        )
+        views = SlotViews(arena, slots, nbytes)
         writes = _ArenaWrites(self, arena, words, reserved, views, _layout_word(layout))
         writes.takes_digests = self._signer is None
         return writes
@@ -356,7 +360,7 @@ class SharedMemoryStore(Store):
         arena: Arena,
         words: list[tuple[int, int]],
         reserved: list[Any],
-        views: list[memoryview],
+        views: Sequence[memoryview],
         layout_word: int,
         digests: Sequence[int | None] | None,
     ) -> list[KeyResult]:
@@ -636,6 +640,44 @@ class SharedMemoryStore(Store):
             self._arena.close()
 
 
+class SlotViews(Sequence["memoryview | None"]):
+    """A batch's views of its slots, each made when one is asked for: a GPU's copy asks for
+    none (it takes the slots' addresses and lengths as arrays, :meth:`addresses` and
+    :meth:`view_bytes`), where making a memoryview a slot cost the host tens of
+    microseconds a step.  ``slots[i]``: key ``i``'s slot, -1 where it has no view; every
+    view is ``nbytes`` long."""
+
+    __slots__ = ("_addresses", "_arena", "nbytes", "slots")
+
+    def __init__(self, arena: Arena, slots: np.ndarray, nbytes: int) -> None:
+        self._arena = arena
+        self.slots = slots  # int64
+        self.nbytes = nbytes
+        self._addresses: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.slots.size)
+
+    def __getitem__(self, k: int) -> memoryview | None:  # type: ignore[override]
+        s = int(self.slots[range(len(self))[operator.index(k)]])  # an IndexError as a list's
+        return None if s < 0 else self._arena.slot(s, self.nbytes)
+
+    def __iter__(self) -> Iterator[memoryview | None]:
+        arena, nbytes = self._arena, self.nbytes
+        return (None if s < 0 else arena.slot(s, nbytes) for s in self.slots.tolist())
+
+    def addresses(self) -> np.ndarray:
+        """Where each view starts in this process, as uint64 (0 where there is none):
+        computed once (a step asks up to three times), not to be changed."""
+        if self._addresses is None:
+            self._addresses = _slot_addresses(self._arena, self.slots)
+        return self._addresses
+
+    def view_bytes(self) -> np.ndarray:
+        """Each view's length, as uint64 (0 where there is none)."""
+        return np.where(self.slots >= 0, np.uint64(self.nbytes), np.uint64(0))
+
+
 class _ArenaWrites(SlotWrites):
     """Slots of the arena reserved for a batch (see :meth:`SharedMemoryStore.open_writes`)."""
 
@@ -645,10 +687,10 @@ class _ArenaWrites(SlotWrites):
         arena: Arena,
         words: list[tuple[int, int]],
         reserved: list[Any],
-        views: list[memoryview | None],
+        views: SlotViews,
         layout_word: int,
     ) -> None:
-        self.views = views
+        self.views = self._views = views
         self._store = store
         self._arena = arena
         self._words = words
@@ -657,8 +699,10 @@ class _ArenaWrites(SlotWrites):
         self._ended = False
 
     def addresses(self) -> np.ndarray:
-        slots = [None if v is None else got[0] for v, got in zip(self.views, self._reserved)]
-        return _slot_addresses(self._arena, slots)
+        return self._views.addresses()
+
+    def view_bytes(self) -> np.ndarray:
+        return self._views.view_bytes()
 
     def _end(self) -> None:
         if self._ended:
@@ -675,7 +719,7 @@ class _ArenaWrites(SlotWrites):
             raise ValueError(f"{len(digests)} digests for {len(self._reserved)} keys")
         if digests is not None and self.takes_digests:
             return self._book(digests, settled)
-        nbytes = max((view.nbytes for view in self.views if view is not None), default=0)
+        nbytes = self._views.nbytes
         return self._store._spread(
             len(self._reserved), nbytes, self._store._seal_chunk, self._arena, self._words,
             self._reserved, self.views, self._layout_word, digests, settled=settled,
@@ -689,7 +733,7 @@ class _ArenaWrites(SlotWrites):
         done = [i for i, r in enumerate(settled) if r is not None]
         task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
         todo = [i for i, r in enumerate(settled) if r is None]
-        views = cast("list[memoryview]", self.views)  # None only for the settled keys
+        views = cast("Sequence[memoryview]", self.views)  # None only for the settled keys
 
         def book() -> list[KeyResult]:
             return self._publish_booked(todo, digests) or self._store._seal_chunk(
@@ -718,7 +762,7 @@ class _ArenaWrites(SlotWrites):
         if got.shape != (len(todo), 2) or found.shape != (len(todo),):
             return None
         words = np.array(self._words if whole else [self._words[i] for i in todo], np.uint64)
-        nbytes = cast("memoryview", self.views[todo[0]]).nbytes  # one size a batch
+        nbytes = self._views.nbytes  # one size a batch
         arena = self._arena
         try:
             published = arena.publish_booked(
@@ -746,11 +790,9 @@ def _lent_unchecked(arena: Arena, pins: PinnedRows, nbytes: int, layout_word: in
     others settled (a miss, another length or layout) and given back with the rest."""
     rows, n = pins.rows, len(pins)
     fits = pins.held & (rows[:, 2] == nbytes) & (rows[:, 3] == layout_word)
-    views: list[memoryview | None] = [None] * n
+    views = SlotViews(arena, np.where(fits, rows[:, 0].astype(np.int64), -1), nbytes)
     settled: list[KeyResult] = [OK] * n
     digests: list[int | None] = pins.digests().tolist()
-    for k, s in zip(np.flatnonzero(fits).tolist(), rows[fits, 0].tolist()):
-        views[k] = arena.slot(s, nbytes)
     for k in np.flatnonzero(~fits).tolist():
         pin = pins[k]
         settled[k] = MISS if pin is None else _mismatch(pin, nbytes, layout_word)
@@ -768,7 +810,7 @@ class _ArenaReads(SlotReads):
         self,
         arena: Arena,
         pinned: list[Pinned | None] | PinnedRows,
-        views: list[memoryview | None],
+        views: Sequence[memoryview | None],
     ) -> None:
         self.views = views
         self.pinned = pinned
@@ -777,14 +819,15 @@ class _ArenaReads(SlotReads):
         self._released = False
 
     def addresses(self) -> np.ndarray:
-        pinned = self.pinned
-        if isinstance(pinned, PinnedRows):
-            at = pinned.rows[:, 0].tolist()
-            return _slot_addresses(
-                self._arena, [None if v is None else at[k] for k, v in enumerate(self.views)]
-            )
-        slots = [None if v is None else p.slot for v, p in zip(self.views, pinned)]  # type: ignore[union-attr]
+        if isinstance(self.views, SlotViews):
+            return self.views.addresses()
+        slots = [None if v is None else p.slot for v, p in zip(self.views, self.pinned)]  # type: ignore[union-attr]
         return _slot_addresses(self._arena, slots)
+
+    def view_bytes(self) -> np.ndarray:
+        if isinstance(self.views, SlotViews):
+            return self.views.view_bytes()
+        return super().view_bytes()
 
     def drop(self, indices: Sequence[int]) -> None:
         self.bad.extend(self.pinned[i] for i in indices if self.pinned[i] is not None)  # type: ignore[misc]
@@ -818,10 +861,15 @@ def _reserve(arena: Arena, words: list[tuple[int, int]]) -> list[Any]:
     return arena.reserve(words, max(1, arena.geometry.slots // 256))
 
 
-def _slot_addresses(arena: Arena, slots: Sequence[int | None]) -> np.ndarray:
-    """Where each slot starts in this process, as uint64 (0 for None): the slots a batch
-    was given views of (in the arena: :meth:`Arena.slot` checked them)."""
-    at = np.array([-1 if s is None else s for s in slots], dtype=np.int64)
+def _slot_addresses(arena: Arena, slots: Sequence[int | None] | np.ndarray) -> np.ndarray:
+    """Where each slot starts in this process, as uint64 (0 for None or -1): the slots a
+    batch was given views of (reserved or pinned under the lock: in the arena)."""
+    if isinstance(slots, np.ndarray):
+        at = slots.astype(np.int64, copy=False)
+    else:
+        at = np.array([-1 if s is None else s for s in slots], dtype=np.int64)
+    if at.size and int(at.max()) >= arena.geometry.slots:
+        raise ValueError("a slot past the arena")  # (never from the arena's own books)
     assert arena.data is not None  # mapped: the views are of it
     start = address_of(arena.data) + at.clip(0).astype(np.uint64) * arena.geometry.slot_bytes
     return np.where(at < 0, np.uint64(0), start)

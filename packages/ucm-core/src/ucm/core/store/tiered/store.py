@@ -290,6 +290,9 @@ class _TieredWrites(SlotWrites):
     def addresses(self) -> np.ndarray:
         return self._inner.addresses()
 
+    def view_bytes(self) -> np.ndarray:
+        return self._inner.view_bytes()
+
     def abort(self) -> None:
         self._inner.abort()
 
