@@ -452,6 +452,26 @@ def test_a_slot_given_back_onto_a_full_free_stack_is_mended_not_written_past_it(
         store.close()
 
 
+def test_a_stored_length_past_its_slot_lends_no_view_past_it(shm_dir, pins):
+    # a same-user bug writes a length longer than a slot, and a reader asks for blocks of
+    # that length: nothing is lent (no view nor address past the slot, no pin left held),
+    # and a load of it is a failed block, not a read past the slot
+    store = open_store(shm_dir)
+    try:
+        assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
+        arena = store._arena
+        (slot,) = arena.ready_slots()
+        big = arena.geometry.slot_bytes + BLOCK
+        with arena.locked():
+            arena.np["length"][slot] = big
+        assert store.open_reads([key(1)], big, check=False) is None
+        assert arena.stats()["pinned"] == 0
+        (got,) = store.wait(store.load([key(1)], [bytearray(big)]), 30)
+        assert not got.ok
+    finally:
+        store.close()
+
+
 # -- a file cut short is refused, not a SIGBUS --
 
 

@@ -510,8 +510,8 @@ class SharedMemoryStore(Store):
     ) -> SlotReads | None:
         check_keys(keys)
         arena = self._attached()
-        if arena is None or not keys:
-            return None  # the caller loads, and the load reports the misses
+        if arena is None or not keys or nbytes > arena.geometry.slot_bytes:
+            return None  # the caller loads, and the load reports the misses (or the damage)
         arena.map_data()
         words = self._words(keys)
         layout_word = _layout_word(layout)
@@ -650,6 +650,8 @@ class SlotViews(Sequence["memoryview | None"]):
     __slots__ = ("_addresses", "_arena", "nbytes", "slots")
 
     def __init__(self, arena: Arena, slots: np.ndarray, nbytes: int) -> None:
+        if nbytes > arena.geometry.slot_bytes:  # (as Arena.slot refuses one view)
+            raise ValueError(f"views of {nbytes} bytes are longer than the arena's slots")
         self._arena = arena
         self.slots = slots  # int64
         self.nbytes = nbytes
@@ -785,9 +787,10 @@ class _ArenaWrites(SlotWrites):
 
 
 def _lent_unchecked(arena: Arena, pins: PinnedRows, nbytes: int, layout_word: int) -> _ArenaReads:
-    """A large batch lent unchecked from its pins' rows, with no object a key but its
-    view: the blocks of the length and layout asked lent with their stored digests, the
-    others settled (a miss, another length or layout) and given back with the rest."""
+    """A batch lent unchecked from its pins' rows, with no object a key (its views made
+    when asked for): the blocks of the length and layout asked lent with their stored
+    digests, the others settled (a miss, another length or layout) and given back with
+    the rest."""
     rows, n = pins.rows, len(pins)
     fits = pins.held & (rows[:, 2] == nbytes) & (rows[:, 3] == layout_word)
     views = SlotViews(arena, np.where(fits, rows[:, 0].astype(np.int64), -1), nbytes)
