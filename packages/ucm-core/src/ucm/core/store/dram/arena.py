@@ -106,7 +106,8 @@ from ucm.core.store.payload import address_of
 
 __all__ = [
     "ARENA_FILE", "Arena", "ArenaBusy", "ArenaDamaged", "ArenaMismatch", "Geometry",
-    "LEASE_NS", "LOCK_WAIT_S", "LOOKUP_WAIT_S", "Pinned", "READY", "WRITING", "homes",
+    "LEASE_NS", "LOCK_WAIT_S", "LOOKUP_WAIT_S", "Pinned", "READY", "ROOM_FULL", "ROOM_STORED",
+    "ROOM_TAKEN", "WRITING", "homes",
 ]  # fmt: skip
 
 #: a reader holding a pin longer than this is presumed gone: its slot may be evicted (the
@@ -126,8 +127,9 @@ _LIBRARY = NATIVE_HELD
 #: (``native/arena.h``)
 _COMPILED_COLUMNS = ("state", "pins", "gen", "key0", "key1", "length", "layout", "last_used",
                      "lease", "seal", "ik0", "ik1", "islot", "owner", "free")  # fmt: skip
-#: what the compiled reservation says of a key (``native/arena_books.c``)
-_TAKEN, _STORED = 0, 1
+#: what a reservation's rows say of a key (:meth:`Arena.reserve_rows`,
+#: ``native/arena_books.c``): a slot taken for it, stored already, no slot could be freed
+ROOM_TAKEN, ROOM_STORED, ROOM_FULL = 0, 1, 2
 _CORRUPT_STACK = (1 << 64) - 1
 #: what the compiled publication says of the call
 _P_LONG_WALK, _P_CORRUPT = 1, 2
@@ -725,15 +727,47 @@ class Arena:
                 out.append((s, self._gen[s]))
         return out
 
+    def reserve_rows(
+        self, words: np.ndarray, evict_batch: int, wait_s: float = LOCK_WAIT_S
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`reserve` as the compiled call leaves it, no object a key: the keys as an
+        ``(n, 2)`` array of their words; per key a code (``ROOM_TAKEN``, ``ROOM_STORED``,
+        ``ROOM_FULL``, uint8) and a row (the slot and its gen where taken, uint64).  None
+        where the library is not built or a key appears twice (then :meth:`reserve`)."""
+        if _LIBRARY is None:
+            return None
+        words = np.ascontiguousarray(words, np.uint64).reshape(-1, 2)
+        # a key twice (or two keys whose words mix alike: the loop then, as for a key twice)
+        if np.unique(words[:, 0] ^ (words[:, 1] * np.uint64(_PAIR_MIX))).size != len(words):
+            return None
+        now = time.monotonic_ns()
+        with self.locked(wait_s):
+            return self._reserve_arrays(words.reshape(-1), self._writer(), now, evict_batch)
+
     def _reserve_compiled(
         self, keys: Sequence[tuple[int, int]], word: int, now: int, evict_batch: int
     ) -> list[tuple[int, int] | bool]:
-        """:meth:`reserve`'s loop in compiled calls (caller holds the lock; no key twice):
-        one call for the batch, and where the free slots run out, an eviction (sparing the
-        blocks said to be stored so far, as the loop does) and a call for the rest."""
-        assert _LIBRARY is not None
-        n, g = len(keys), self.geometry
+        """:meth:`reserve`'s loop in compiled calls (caller holds the lock; no key twice)."""
+        n = len(keys)
         words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
+        codes, rows = self._reserve_arrays(words, word, now, evict_batch)
+        if not codes.any():  # every key given a slot: the usual batch
+            return list(zip(*rows.T.tolist()))
+        out: list[tuple[int, int] | bool] = (codes == ROOM_STORED).tolist()
+        taken = np.flatnonzero(codes == ROOM_TAKEN)
+        for i, s, gen in zip(taken.tolist(), *rows[taken].T.tolist()):
+            out[i] = (s, gen)
+        return out
+
+    def _reserve_arrays(
+        self, words: np.ndarray, word: int, now: int, evict_batch: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled reservation of the keys ``words`` (``2n`` contiguous uint64; caller
+        holds the lock; no key twice): one call for the batch, and where the free slots run
+        out, an eviction (sparing the blocks said to be stored so far, as the loop does) and
+        a call for the rest.  Each key's code and row."""
+        assert _LIBRARY is not None
+        n, g = words.size // 2, self.geometry
         rows = np.zeros((n, 2), np.uint64)
         codes = np.zeros(n, np.uint8)
         walk = ctypes.c_uint64(0)
@@ -750,17 +784,11 @@ class Arena:
                 raise RuntimeError("corrupt free stack")  # the books mended at the next hold
             done += settled
             if done < n:
-                stored = rows[:done, 0][codes[:done] == _STORED].astype(np.int64)
+                stored = rows[:done, 0][codes[:done] == ROOM_STORED].astype(np.int64)
                 self._evict(evict_batch, now, stored)
                 full = int(self._sb[SB_FREE_TOP] == 0)
         self._index.long_walk |= walk.value > LONG_WALK
-        if not codes.any():  # every key given a slot: the usual batch
-            return list(zip(*rows.T.tolist()))
-        out: list[tuple[int, int] | bool] = (codes == _STORED).tolist()
-        taken = np.flatnonzero(codes == _TAKEN)
-        for i, s, gen in zip(taken.tolist(), *rows[taken].T.tolist()):
-            out[i] = (s, gen)
-        return out
+        return codes, rows
 
     def _reserve_all(
         self, keys: Sequence[tuple[int, int]], word: int, now: int, evict_batch: int

@@ -33,6 +33,7 @@ their seals, or nobody here does (``check=False``: the GPU checks what it copies
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -54,6 +55,9 @@ from ucm.core.store.dram.arena import (
     LOCK_WAIT_S,
     LOOKUP_WAIT_S,
     NOT_STORED,
+    ROOM_FULL,
+    ROOM_STORED,
+    ROOM_TAKEN,
     Arena,
     ArenaBusy,
     ArenaMismatch,
@@ -338,18 +342,21 @@ class SharedMemoryStore(Store):
         self, keys: Sequence[bytes], nbytes: int, layout: bytes = b""
     ) -> SlotWrites | None:
         check_keys(keys)
+        layout_word = _layout_word(layout)
         try:
             arena = self._arena_for(nbytes)
-            words = self._words(keys)
-            reserved = _reserve(arena, words)
+            words = np.frombuffer(self._names(keys), "<u8").reshape(-1, 2)
+            booked = arena.reserve_rows(words, _evict_batch(arena))
+            if booked is None:  # (no library, or a key twice: the loop)
+                listed = list(zip(*words.T.tolist()))
+                reserved = _reserve(arena, listed)
         except (ConfigError, ArenaBusy) as exc:
             log.debug("ucm dram store: no room to write in place (%s)", exc)
             return None  # the caller dumps, and the dump reports what is wrong
-        slots = np.fromiter(
-            (-1 if isinstance(got, bool) else got[0] for got in reserved), np.int64, len(reserved)
-        )
-        views = SlotViews(arena, slots, nbytes)
-        writes = _ArenaWrites(self, arena, words, reserved, views, _layout_word(layout))
+        if booked is None:
+            writes = _ArenaWrites.of_list(self, arena, listed, reserved, nbytes, layout_word)
+        else:
+            writes = _ArenaWrites(self, arena, words, *booked, nbytes, layout_word)
         writes.takes_digests = self._signer is None
         return writes
 
@@ -687,18 +694,67 @@ class _ArenaWrites(SlotWrites):
         self,
         store: SharedMemoryStore,
         arena: Arena,
-        words: list[tuple[int, int]],
-        reserved: list[Any],
-        views: SlotViews,
+        words: np.ndarray,
+        codes: np.ndarray,
+        rows: np.ndarray,
+        nbytes: int,
         layout_word: int,
     ) -> None:
-        self.views = self._views = views
+        """The room :meth:`Arena.reserve_rows` reserved for the keys ``words`` (``(n, 2)``
+        uint64): a code and a row (slot, gen) a key, no object a key."""
+        taken = codes == ROOM_TAKEN
+        self.views = self._views = SlotViews(
+            arena, np.where(taken, rows[:, 0].astype(np.int64), -1), nbytes
+        )
         self._store = store
         self._arena = arena
-        self._words = words
-        self._reserved = reserved
+        self._key_words = words
+        self._codes = codes
+        self._rows = rows
         self._layout_word = layout_word
         self._ended = False
+
+    @classmethod
+    def of_list(
+        cls,
+        store: SharedMemoryStore,
+        arena: Arena,
+        words: list[tuple[int, int]],
+        reserved: list[Any],
+        nbytes: int,
+        layout_word: int,
+    ) -> _ArenaWrites:
+        """The room :meth:`Arena.reserve` reserved, its answer a key made arrays."""
+        n = len(reserved)
+        codes = np.fromiter(
+            (ROOM_STORED if got is True else ROOM_FULL if got is False else ROOM_TAKEN
+             for got in reserved), np.uint8, n,
+        )  # fmt: skip
+        rows = np.array([(0, 0) if isinstance(got, bool) else got for got in reserved], np.uint64)
+        writes = cls(
+            store, arena, np.array(words, np.uint64).reshape(n, 2), codes, rows.reshape(n, 2),
+            nbytes, layout_word,
+        )  # fmt: skip
+        writes.__dict__["_reserved"], writes.__dict__["_words"] = reserved, words
+        return writes
+
+    @functools.cached_property
+    def _reserved(self) -> list[Any]:
+        """What :meth:`Arena.reserve` answers, for the key-by-key ways: ``(slot, gen)``,
+        ``True`` (stored already) or ``False`` (no room) a key."""
+        out: list[Any] = (self._codes == ROOM_STORED).tolist()
+        taken = np.flatnonzero(self._codes == ROOM_TAKEN)
+        for i, s, gen in zip(taken.tolist(), *self._rows[taken].T.tolist()):
+            out[i] = (s, gen)
+        return out
+
+    @functools.cached_property
+    def _words(self) -> list[tuple[int, int]]:
+        return list(zip(*self._key_words.T.tolist()))
+
+    def _slotted(self) -> list[int]:
+        """The keys given a slot."""
+        return np.flatnonzero(self._codes == ROOM_TAKEN).tolist()  # type: ignore[no-any-return]
 
     def addresses(self) -> np.ndarray:
         return self._views.addresses()
@@ -713,17 +769,19 @@ class _ArenaWrites(SlotWrites):
 
     def commit(self, digests: Sequence[int | None] | None = None) -> Task:
         self._end()
-        settled = _settled(self._reserved)
-        if digests is not None and len(digests) != len(self._reserved):
-            self._give_back(
-                [i for i, got in enumerate(self._reserved) if not isinstance(got, bool)]
-            )
-            raise ValueError(f"{len(digests)} digests for {len(self._reserved)} keys")
+        n = len(self._codes)
+        settled: list[KeyResult | None] = [
+            None if c == ROOM_TAKEN else OK if c == ROOM_STORED else _FULL
+            for c in self._codes.tolist()
+        ]
+        if digests is not None and len(digests) != n:
+            self._give_back(self._slotted())
+            raise ValueError(f"{len(digests)} digests for {n} keys")
         if digests is not None and self.takes_digests:
             return self._book(digests, settled)
         nbytes = self._views.nbytes
         return self._store._spread(
-            len(self._reserved), nbytes, self._store._seal_chunk, self._arena, self._words,
+            n, nbytes, self._store._seal_chunk, self._arena, self._words,
             self._reserved, self.views, self._layout_word, digests, settled=settled,
             undo=self._give_back,
         )  # fmt: skip
@@ -731,7 +789,7 @@ class _ArenaWrites(SlotWrites):
     def _book(self, digests: Sequence[int | None], settled: list[KeyResult | None]) -> Task:
         """Publish the batch with the caller's digests, here, in one hold of the lock: with
         no byte to read, handing it to the copy threads a chunk at a time only costs."""
-        task = Task(len(self._reserved))
+        task = Task(len(self._codes))
         done = [i for i, r in enumerate(settled) if r is not None]
         task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
         todo = [i for i, r in enumerate(settled) if r is None]
@@ -755,23 +813,23 @@ class _ArenaWrites(SlotWrites):
         key with no digest, anything unusual in the arena): the key-by-key way then."""
         if not vectorised(len(todo)):
             return None
-        whole = len(todo) == len(self._reserved)
+        whole = len(todo) == len(self._codes)
         try:
-            got = np.array(self._reserved if whole else [self._reserved[i] for i in todo], np.int64)
-            found = np.array(digests if whole else [digests[i] for i in todo], np.uint64)
+            found = np.asarray(digests if whole else [digests[i] for i in todo], np.uint64)
         except (TypeError, ValueError, OverflowError):  # a None, or not a digest
             return None
-        if got.shape != (len(todo), 2) or found.shape != (len(todo),):
+        if found.shape != (len(todo),):
             return None
-        words = np.array(self._words if whole else [self._words[i] for i in todo], np.uint64)
+        at = slice(None) if whole else np.array(todo, np.intp)  # (the keys with a slot)
+        rows, words = self._rows[at], self._key_words[at]
         nbytes = self._views.nbytes  # one size a batch
         arena = self._arena
         try:
             published = arena.publish_booked(
-                got[:, 0], got[:, 1], words, nbytes, self._layout_word, found
+                rows[:, 0], rows[:, 1], words, nbytes, self._layout_word, found
             )
         except ArenaBusy:  # given back unwritten at this process's next hold of the lock
-            arena.owe_writes([self._reserved[i] for i in todo])
+            arena.owe_writes(list(zip(*rows.T.tolist())))
             return [_LOST] * len(todo)
         if published is None:
             return None
@@ -779,7 +837,7 @@ class _ArenaWrites(SlotWrites):
 
     def abort(self) -> None:
         self._end()
-        self._give_back([i for i, got in enumerate(self._reserved) if not isinstance(got, bool)])
+        self._give_back(self._slotted())
 
     def _give_back(self, slotted: Sequence[int]) -> None:
         written = [_unfilled(self._reserved[i]) for i in slotted]
@@ -858,10 +916,15 @@ _FULL = KeyResult(Status.ERROR, "store is full: every slot is being read or writ
 _LOST = KeyResult(Status.ERROR, "the slot was reclaimed before the block was published")
 
 
+def _evict_batch(arena: Arena) -> int:
+    """How many blocks a full arena evicts at a time: a 256th of it."""
+    return max(1, arena.geometry.slots // 256)
+
+
 def _reserve(arena: Arena, words: list[tuple[int, int]]) -> list[Any]:
     """Slots for ``words`` (see :meth:`Arena.reserve`), evicting a 256th of the arena at a
     time when it is full."""
-    return arena.reserve(words, max(1, arena.geometry.slots // 256))
+    return arena.reserve(words, _evict_batch(arena))
 
 
 def _slot_addresses(arena: Arena, slots: Sequence[int | None] | np.ndarray) -> np.ndarray:
