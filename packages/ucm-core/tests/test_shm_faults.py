@@ -403,18 +403,23 @@ def test_a_damaged_free_stack_writes_over_no_block_and_is_mended(shm_dir, pins, 
         store.close()
 
 
+def _stored_and_reserved(shm_dir) -> tuple[SharedMemoryStore, list, tuple[int, int]]:
+    """A store holding key 1's block, and a slot reserved for key 2 (its words, the slot)."""
+    store = open_store(shm_dir)
+    assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
+    words = store._words([key(2)])
+    (reserved,) = store._arena.reserve(words, 4)
+    return store, words, reserved
+
+
 def test_a_block_published_into_an_index_without_a_free_bucket_gives_its_slot_back(shm_dir, pins):
     # every bucket holds an entry (a same-user bug: no EMPTY bucket, no tombstone): the
     # publication walks the index within its bound, finds no bucket, gives the slot back
     # (the block is not stored) and the index is rebuilt from the slots on the way out of
     # the lock: the stored block is found again, the next dump is stored
-    store = open_store(shm_dir)
+    store, words, reserved = _stored_and_reserved(shm_dir)
+    arena, slots = store._arena, store._arena.geometry.slots
     try:
-        assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
-        arena = store._arena
-        slots = arena.geometry.slots
-        words = store._words([key(2)])
-        (reserved,) = arena.reserve(words, 4)
         with arena.locked():
             arena.np["islot"][:] = slots + 1  # an entry in every bucket, for no key
         assert arena.publish([(*reserved, BLOCK, 0, b"s" * 8)], words) == [False]
@@ -433,13 +438,9 @@ def test_a_slot_given_back_onto_a_full_free_stack_is_mended_not_written_past_it(
     # the free stack says every slot is free while a batch holds one (a same-user bug):
     # giving the slot back would push it past the stack's end; the call stops instead,
     # and the next hold of the lock rebuilds the books (the slot free again)
-    store = open_store(shm_dir)
+    store, words, reserved = _stored_and_reserved(shm_dir)
+    arena, slots = store._arena, store._arena.geometry.slots
     try:
-        assert store.wait(store.dump([key(1)], [blob(1, BLOCK)]))[0].ok
-        arena = store._arena
-        slots = arena.geometry.slots
-        words = store._words([key(2)])
-        (reserved,) = arena.reserve(words, 4)
         with arena.locked():
             arena._sb[arena_module.SB_FREE_TOP] = slots
         with pytest.raises((RuntimeError, IndexError)):  # (Python's: the stack's own bound)
