@@ -108,36 +108,45 @@ static int64_t insert(const ucm_arena *a, uint64_t k0, uint64_t k1, uint32_t s, 
 
 /* Publish reserved slots (caller holds the lock; arena.py: Arena.publish): block i, slot
  * ``held[2i]`` at gen ``held[2i+1]`` under key ``keys[2i], keys[2i+1]``, of ``lengths[i]``
- * bytes (-1: give the slot back unwritten), layout word ``layouts[i]`` and 32-byte seal
- * ``seals[32i...]``.  ``out[i]``: whether the key is now stored (0 where the slot is no
- * longer ``word``'s for the key, or was given back; 1, the slot given back, where the key
- * was published meanwhile).  Returns F_* flags: F_LONG_WALK (the index wants a rebuild),
- * F_CORRUPT (the free stack would run past the arena: blocks from i on are untouched). */
+ * bytes (-1: give the slot back unwritten; every block ``length`` where ``lengths`` is
+ * NULL), layout word ``layouts[i]`` (``layout`` where NULL) and seal the ``seal_bytes``
+ * (at most 32) at ``seals + seal_bytes * i``, zero-padded (a batch booked with its
+ * digests passes 8 bytes a block).  ``out[i]``: whether the key is now stored (0 where the
+ * slot is no longer ``word``'s for the key, or was given back; 1, the slot given back,
+ * where the key was published meanwhile).  Returns F_* flags: F_LONG_WALK (the index wants
+ * a rebuild), F_CORRUPT (the free stack would run past the arena: blocks from i on are
+ * untouched). */
 __attribute__((visibility("default"))) uint64_t ucm_arena_publish(
     const uint64_t *cols, uint64_t slots, uint64_t buckets, uint64_t salt, uint64_t n,
-    const uint64_t *held, const int64_t *lengths, const uint64_t *layouts,
-    const uint8_t *seals, const uint64_t *keys, uint64_t word, uint8_t *out) {
+    const uint64_t *held, const int64_t *lengths, int64_t length, const uint64_t *layouts,
+    uint64_t layout, const uint8_t *seals, uint64_t seal_bytes, const uint64_t *keys,
+    uint64_t word, uint8_t *out) {
     ucm_arena a = ucm_arena_columns(cols, slots, buckets, salt);
     uint64_t longest = 0, flags = 0;
+    if (seal_bytes > UCM_SEAL_BYTES)
+        seal_bytes = UCM_SEAL_BYTES;
     memset(out, 0, n);
     for (uint64_t k = 0; k < n; k++) {
         uint64_t s = held[2 * k], k0 = keys[2 * k], k1 = keys[2 * k + 1], steps = 0;
+        int64_t len = lengths ? lengths[k] : length;
         int mine = word && s < slots && a.state[s] == UCM_WRITING &&
                    held[2 * k + 1] == a.gen[s] && a.owner[s] == word &&
                    a.key0[s] == k0 && a.key1[s] == k1;
         if (!mine)
             continue;
-        int64_t found = lengths[k] < 0 ? -1 : ucm_arena_find(&a, k0, k1, &steps);
+        int64_t found = len < 0 ? -1 : ucm_arena_find(&a, k0, k1, &steps);
         longest = steps > longest ? steps : longest;
-        if (lengths[k] < 0 || found >= 0) { /* cancelled, failed, or published meanwhile */
+        if (len < 0 || found >= 0) { /* cancelled, failed, or published meanwhile */
             if (!free_slot(&a, s))
                 return flags | F_CORRUPT;
-            out[k] = lengths[k] >= 0;
+            out[k] = len >= 0;
             continue;
         }
-        a.length[s] = (uint64_t)lengths[k];
-        a.layout[s] = layouts[k];
-        memcpy(a.seal + UCM_SEAL_BYTES * s, seals + UCM_SEAL_BYTES * k, UCM_SEAL_BYTES);
+        a.length[s] = (uint64_t)len;
+        a.layout[s] = layouts ? layouts[k] : layout;
+        uint8_t *seal = a.seal + UCM_SEAL_BYTES * s;
+        memcpy(seal, seals + seal_bytes * k, seal_bytes);
+        memset(seal + seal_bytes, 0, UCM_SEAL_BYTES - seal_bytes);
         a.used[s] = ++a.sb[UCM_SB_TICK];
         a.lease[s] = 0;
         int64_t bucket = insert(&a, k0, k1, (uint32_t)s, &steps);
@@ -151,7 +160,7 @@ __attribute__((visibility("default"))) uint64_t ucm_arena_publish(
         a.owner[s] = 0;
         __atomic_store_n(&a.state[s], UCM_READY, __ATOMIC_RELEASE); /* the slot made whole */
         a.sb[UCM_SB_USED] += 1;
-        a.sb[UCM_SB_BYTES] += (uint64_t)lengths[k];
+        a.sb[UCM_SB_BYTES] += (uint64_t)len;
         out[k] = 1;
     }
     return longest > UCM_LONG_WALK ? flags | F_LONG_WALK : flags;

@@ -230,6 +230,7 @@ def _books_way(monkeypatch, way: str) -> bool:
         return False
     monkeypatch.setattr(arena_module, "_LIBRARY", compiled if way == "compiled" else None)
     monkeypatch.setattr(arena_module, "VECTOR_MIN_KEYS", 64 if way == "numpy" else 10**9)
+    monkeypatch.setattr(arena_module, "COMPILED_MIN_KEYS", 1)  # (compiled: every batch)
     return True
 
 

@@ -70,6 +70,7 @@ def test_digests_computed_by_the_copy_seal_the_blocks_without_the_store_reading_
         pytest.skip("the library was not built here (no C compiler)")
     if way == "python":
         monkeypatch.setattr(arena_module, "_LIBRARY", None)
+    monkeypatch.setattr(arena_module, "COMPILED_MIN_KEYS", 1)  # (compiled: every batch)
     monkeypatch.setenv("UCM_TEST_SECRET", "a-test-secret-of-some-length-0123456789")
     booked = []
     as_arrays = Arena.publish_booked
@@ -295,6 +296,7 @@ def test_a_key_twice_in_a_batch_gets_one_slot_and_both_count_as_stored(shm_dir, 
         pytest.skip("the library was not built here (no C compiler)")
     if way == "python":
         monkeypatch.setattr(arena_module, "_LIBRARY", None)
+    monkeypatch.setattr(arena_module, "COMPILED_MIN_KEYS", 1)  # (compiled: every batch)
     store = dram_store(shm_dir)
     ids = [1, 2, 1, 3]
     writes = store.open_writes([key(i) for i in ids], SIZE, b"tag")

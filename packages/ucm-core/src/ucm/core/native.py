@@ -40,7 +40,9 @@ def _load(kind: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL | None:
     library.ucm_arena_unpin.restype = None
     library.ucm_arena_reserve.argtypes = [p, u64, u64, u64, u64, p, u64, ctypes.c_int, p, p, p]
     library.ucm_arena_reserve.restype = u64
-    library.ucm_arena_publish.argtypes = [p, u64, u64, u64, u64, p, p, p, p, p, u64, p]
+    library.ucm_arena_publish.argtypes = [
+        p, u64, u64, u64, u64, p, p, ctypes.c_int64, p, u64, p, u64, p, u64, p
+    ]  # fmt: skip
     library.ucm_arena_publish.restype = u64
     i64 = ctypes.c_int64
     library.ucm_lock_new.argtypes = []

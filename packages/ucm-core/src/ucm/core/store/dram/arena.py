@@ -119,6 +119,10 @@ LEASE_NS = 30_000_000_000
 VECTOR_MIN_KEYS = 64
 #: mixes a key's two words into one, to find a batch's repeated keys with a 1-D unique
 _PAIR_MIX = 0x9E3779B97F4A7C15
+#: batches of at least this many keys keep their write books in one compiled call each,
+#: as arrays, where the library is built; smaller ones go key by key (a compiled call's
+#: fixed cost, its arrays and their addresses, is about the loop's for 8 keys)
+COMPILED_MIN_KEYS = 8
 #: the compiled library (``native/arena_pins.c``, ``arena_books.c``: a batch's pins and
 #: unpins, reservation and publication in one call each, holding the GIL), None in a
 #: pure-Python wheel (tests set it None)
@@ -142,10 +146,24 @@ LOOKUP_WAIT_S = 0.05
 
 
 def vectorised(keys: int) -> bool:
-    """Whether a batch of ``keys`` is booked and lent as arrays, no object a key: any
-    batch where the compiled calls are built, else from :data:`VECTOR_MIN_KEYS` (numpy's
-    fixed cost)."""
-    return _LIBRARY is not None or keys >= VECTOR_MIN_KEYS
+    """Whether a batch of ``keys`` is booked and lent as arrays, no object a key: from
+    :data:`COMPILED_MIN_KEYS` where the compiled calls are built, else from
+    :data:`VECTOR_MIN_KEYS` (numpy's fixed cost)."""
+    return keys >= (COMPILED_MIN_KEYS if _LIBRARY is not None else VECTOR_MIN_KEYS)
+
+
+def _compiled(keys: int) -> bool:
+    """Whether a batch of ``keys`` keeps its books in compiled calls."""
+    return _LIBRARY is not None and keys >= COMPILED_MIN_KEYS
+
+
+def _distinct(words: np.ndarray) -> bool:
+    """Whether no key of ``words`` (``(n, 2)`` uint64) appears twice; False too where two
+    keys' words mix alike (a 1-D unique: numpy's fixed cost, a set below 32 keys)."""
+    n = len(words)
+    if n < 32:
+        return n < 2 or len(set(map(tuple, words.tolist()))) == n
+    return bool(np.unique(words[:, 0] ^ (words[:, 1] * np.uint64(_PAIR_MIX))).size == n)
 
 
 class ArenaMismatch(Exception):
@@ -695,7 +713,7 @@ class Arena:
         now = time.monotonic_ns()
         out: list[tuple[int, int] | bool] = []
         seen: set[tuple[int, int]] = set()
-        twice = len(set(keys)) != len(keys) if _LIBRARY is not None else True
+        twice = len(set(keys)) != len(keys) if _compiled(len(keys)) else True
         with self.locked(wait_s):
             word = self._writer()
             if not twice:  # (a key twice: the loop, which answers the second "stored")
@@ -733,13 +751,11 @@ class Arena:
         """:meth:`reserve` as the compiled call leaves it, no object a key: the keys as an
         ``(n, 2)`` array of their words; per key a code (``ROOM_TAKEN``, ``ROOM_STORED``,
         ``ROOM_FULL``, uint8) and a row (the slot and its gen where taken, uint64).  None
-        where the library is not built or a key appears twice (then :meth:`reserve`)."""
-        if _LIBRARY is None:
-            return None
+        where the library is not built, the batch is small (:data:`COMPILED_MIN_KEYS`) or
+        a key appears twice (then :meth:`reserve`)."""
         words = np.ascontiguousarray(words, np.uint64).reshape(-1, 2)
-        # a key twice (or two keys whose words mix alike: the loop then, as for a key twice)
-        if np.unique(words[:, 0] ^ (words[:, 1] * np.uint64(_PAIR_MIX))).size != len(words):
-            return None
+        if not _compiled(len(words)) or not _distinct(words):
+            return None  # (a key twice: the loop, which answers the second "stored")
         now = time.monotonic_ns()
         with self.locked(wait_s):
             return self._reserve_arrays(words.reshape(-1), self._writer(), now, evict_batch)
@@ -852,15 +868,16 @@ class Arena:
         another process published the key first."""
         out = []
         sb = self._sb
-        if _LIBRARY is not None and written:
+        if _compiled(len(written)):
             n = len(written)
-            slots, gens, lengths = np.array([w[:3] for w in written], np.int64).reshape(n, 3).T
+            table = np.array([w[:3] for w in written], np.int64).reshape(n, 3)
+            held = table[:, :2].astype(np.uint64)  # (a negative slot wraps past the arena)
             layouts = np.fromiter((w[3] for w in written), np.uint64, n)
             seals = b"".join(w[4].ljust(SEAL_BYTES, b"\0") for w in written)
             words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
             with self.locked(wait_s):
                 return self._publish_compiled(
-                    slots, gens, lengths, layouts, seals, words, self._owner_word
+                    held, table[:, 2], layouts, seals, words, self._owner_word
                 )
         with self.locked(wait_s):
             word = self._owner_word
@@ -910,37 +927,39 @@ class Arena:
 
     def _publish_compiled(
         self,
-        slots: np.ndarray,
-        gens: np.ndarray,
-        lengths: np.ndarray,
-        layouts: np.ndarray,
+        held: np.ndarray,
+        lengths: np.ndarray | int,
+        layouts: np.ndarray | int,
         seals: bytes | np.ndarray,
         words: np.ndarray,
         word: int,
     ) -> list[bool]:
         """:meth:`publish`'s loop in one compiled call (caller holds the lock): block ``i``
-        of slot ``slots[i]`` at ``gens[i]``, ``lengths[i]`` bytes (-1: given back), under
-        the key of ``words`` (``2n`` words, or ``(n, 2)``), its seal the ``i``-th 32 bytes
-        of ``seals``."""
+        of slot ``held[i, 0]`` at gen ``held[i, 1]`` (uint64), ``lengths[i]`` bytes (-1:
+        given back) of layout word ``layouts[i]`` (or one length and layout for all), under
+        the key of ``words`` (``2n`` uint64), its seal the ``i``-th 32 bytes of ``seals``, or
+        its 8-byte digest where ``seals`` holds 8 bytes a block."""
         assert _LIBRARY is not None
-        n, g = slots.size, self.geometry
-        held = np.empty((n, 2), np.uint64)
-        held[:, 0] = slots.astype(np.uint64)  # (a negative slot wraps past the arena)
-        held[:, 1] = gens.astype(np.uint64)
-        lengths = np.ascontiguousarray(lengths, np.int64)
-        layouts = np.ascontiguousarray(layouts, np.uint64)
+        n, g = len(held), self.geometry
+        held = np.ascontiguousarray(held, np.uint64)
         words = np.ascontiguousarray(words, np.uint64)
         sealed = np.frombuffer(seals, np.uint8) if isinstance(seals, bytes) else seals
-        sealed = np.ascontiguousarray(sealed, np.uint8)
-        if lengths.size != n or layouts.size != n or words.size != 2 * n:
-            raise ValueError("a publication takes one length, layout and key a slot")
-        if sealed.size != SEAL_BYTES * n:
-            raise ValueError(f"a publication takes {SEAL_BYTES} bytes of seal a slot")
+        sealed = np.ascontiguousarray(sealed).view(np.uint8).reshape(-1)
+        each = None if np.ndim(lengths) == 0 else np.ascontiguousarray(lengths, np.int64)
+        kinds = None if np.ndim(layouts) == 0 else np.ascontiguousarray(layouts, np.uint64)
+        if held.shape != (n, 2) or words.size != 2 * n:
+            raise ValueError("a publication takes a slot, a gen and a key a block")
+        if (each is not None and each.size != n) or (kinds is not None and kinds.size != n):
+            raise ValueError("a publication takes one length and layout a block, or one")
+        if sealed.size not in (8 * n, SEAL_BYTES * n):
+            raise ValueError(f"a publication takes {SEAL_BYTES} bytes of seal a block, or 8")
         out = np.zeros(n, np.uint8)
         self._seq_begin()
         flags = _LIBRARY.ucm_arena_publish(
             self._columns_at, g.slots, g.buckets, self._salt, n, held.ctypes.data,
-            lengths.ctypes.data, layouts.ctypes.data, sealed.ctypes.data, words.ctypes.data,
+            None if each is None else each.ctypes.data, int(lengths) if each is None else 0,  # type: ignore[arg-type]
+            None if kinds is None else kinds.ctypes.data, int(layouts) if kinds is None else 0,  # type: ignore[arg-type]
+            sealed.ctypes.data, sealed.size // n if n else SEAL_BYTES, words.ctypes.data,
             word, out.ctypes.data,
         )  # fmt: skip
         if flags & _P_CORRUPT:  # the books mended at the next hold (dirty stays set)
@@ -982,17 +1001,21 @@ class Arena:
         n = slots.size
         if not (gens.size == digests.size == n and words.shape == (n, 2)):
             raise ValueError("publish_booked takes one gen, key and digest a slot")
+        if _compiled(n):  # one length, layout and 8-byte digest a block, as given
+            held = np.empty((n, 2), np.uint64)
+            held[:, 0], held[:, 1] = slots, gens
+            found = np.ascontiguousarray(digests, "<u8")
+            with self.locked(wait_s):
+                word = self._owner_word
+                if not word:
+                    return None
+                return self._publish_compiled(held, length, layout, found, words, word)
         seals = np.zeros((n, SEAL_BYTES), np.uint8)
         seals[:, :8] = np.ascontiguousarray(digests, dtype="<u8").view(np.uint8).reshape(n, 8)
         with self.locked(wait_s):
             word = self._owner_word
             if not word:
                 return None
-            if _LIBRARY is not None:
-                return self._publish_compiled(
-                    slots, gens, np.full(n, length, np.int64), np.full(n, layout, np.uint64),
-                    seals, words, word,
-                )  # fmt: skip
             return self._publish_arrays(
                 slots.astype(np.int64),
                 gens.astype(np.uint64),

@@ -345,10 +345,12 @@ class SharedMemoryStore(Store):
         layout_word = _layout_word(layout)
         try:
             arena = self._arena_for(nbytes)
-            words = np.frombuffer(self._names(keys), "<u8").reshape(-1, 2)
-            booked = arena.reserve_rows(words, _evict_batch(arena))
-            if booked is None:  # (no library, or a key twice: the loop)
-                listed = list(zip(*words.T.tolist()))
+            booked = None
+            if vectorised(len(keys)):
+                words = np.frombuffer(self._names(keys), "<u8").reshape(-1, 2)
+                booked = arena.reserve_rows(words, _evict_batch(arena))
+            if booked is None:  # (a small batch, no library, or a key twice: the loop)
+                listed = self._words(keys)
                 reserved = _reserve(arena, listed)
         except (ConfigError, ArenaBusy) as exc:
             log.debug("ucm dram store: no room to write in place (%s)", exc)
@@ -356,7 +358,7 @@ class SharedMemoryStore(Store):
         if booked is None:
             writes = _ArenaWrites.of_list(self, arena, listed, reserved, nbytes, layout_word)
         else:
-            writes = _ArenaWrites(self, arena, words, *booked, nbytes, layout_word)
+            writes = _ArenaWrites.of_rows(self, arena, words, *booked, nbytes, layout_word)
         writes.takes_digests = self._signer is None
         return writes
 
@@ -656,16 +658,16 @@ class SlotViews(Sequence["memoryview | None"]):
 
     __slots__ = ("_addresses", "_arena", "nbytes", "slots")
 
-    def __init__(self, arena: Arena, slots: np.ndarray, nbytes: int) -> None:
+    def __init__(self, arena: Arena, slots: np.ndarray | list[int], nbytes: int) -> None:
         if nbytes > arena.geometry.slot_bytes:  # (as Arena.slot refuses one view)
             raise ValueError(f"views of {nbytes} bytes are longer than the arena's slots")
         self._arena = arena
-        self.slots = slots  # int64
+        self.slots = slots  # int64, or a small batch's list
         self.nbytes = nbytes
         self._addresses: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return int(self.slots.size)
+        return len(self.slots)
 
     def __getitem__(self, k: int) -> memoryview | None:  # type: ignore[override]
         s = int(self.slots[range(len(self))[operator.index(k)]])  # an IndexError as a list's
@@ -673,7 +675,8 @@ class SlotViews(Sequence["memoryview | None"]):
 
     def __iter__(self) -> Iterator[memoryview | None]:
         arena, nbytes = self._arena, self.nbytes
-        return (None if s < 0 else arena.slot(s, nbytes) for s in self.slots.tolist())
+        slots = self.slots.tolist() if isinstance(self.slots, np.ndarray) else self.slots
+        return (None if s < 0 else arena.slot(s, nbytes) for s in slots)
 
     def addresses(self) -> np.ndarray:
         """Where each view starts in this process, as uint64 (0 where there is none):
@@ -684,14 +687,27 @@ class SlotViews(Sequence["memoryview | None"]):
 
     def view_bytes(self) -> np.ndarray:
         """Each view's length, as uint64 (0 where there is none)."""
-        return np.where(self.slots >= 0, np.uint64(self.nbytes), np.uint64(0))
+        return np.where(np.asarray(self.slots) >= 0, np.uint64(self.nbytes), np.uint64(0))
 
 
 class _ArenaWrites(SlotWrites):
-    """Slots of the arena reserved for a batch (see :meth:`SharedMemoryStore.open_writes`)."""
+    """Slots of the arena reserved for a batch (see :meth:`SharedMemoryStore.open_writes`),
+    kept as the reservation gave them: arrays (:meth:`of_rows`, a compiled reservation) or
+    a tuple a key (:meth:`of_list`, a small batch's loop); each made from the other only
+    where a way needs it."""
 
     def __init__(
-        self,
+        self, store: SharedMemoryStore, arena: Arena, views: SlotViews, layout_word: int
+    ) -> None:
+        self.views = self._views = views
+        self._store = store
+        self._arena = arena
+        self._layout_word = layout_word
+        self._ended = False
+
+    @classmethod
+    def of_rows(
+        cls,
         store: SharedMemoryStore,
         arena: Arena,
         words: np.ndarray,
@@ -699,20 +715,13 @@ class _ArenaWrites(SlotWrites):
         rows: np.ndarray,
         nbytes: int,
         layout_word: int,
-    ) -> None:
+    ) -> _ArenaWrites:
         """The room :meth:`Arena.reserve_rows` reserved for the keys ``words`` (``(n, 2)``
         uint64): a code and a row (slot, gen) a key, no object a key."""
-        taken = codes == ROOM_TAKEN
-        self.views = self._views = SlotViews(
-            arena, np.where(taken, rows[:, 0].astype(np.int64), -1), nbytes
-        )
-        self._store = store
-        self._arena = arena
-        self._key_words = words
-        self._codes = codes
-        self._rows = rows
-        self._layout_word = layout_word
-        self._ended = False
+        slots = np.where(codes == ROOM_TAKEN, rows[:, 0].astype(np.int64), -1)
+        writes = cls(store, arena, SlotViews(arena, slots, nbytes), layout_word)
+        writes.__dict__.update(_key_words=words, _codes=codes, _rows=rows)
+        return writes
 
     @classmethod
     def of_list(
@@ -724,24 +733,16 @@ class _ArenaWrites(SlotWrites):
         nbytes: int,
         layout_word: int,
     ) -> _ArenaWrites:
-        """The room :meth:`Arena.reserve` reserved, its answer a key made arrays."""
-        n = len(reserved)
-        codes = np.fromiter(
-            (ROOM_STORED if got is True else ROOM_FULL if got is False else ROOM_TAKEN
-             for got in reserved), np.uint8, n,
-        )  # fmt: skip
-        rows = np.array([(0, 0) if isinstance(got, bool) else got for got in reserved], np.uint64)
-        writes = cls(
-            store, arena, np.array(words, np.uint64).reshape(n, 2), codes, rows.reshape(n, 2),
-            nbytes, layout_word,
-        )  # fmt: skip
-        writes.__dict__["_reserved"], writes.__dict__["_words"] = reserved, words
+        """The room :meth:`Arena.reserve` reserved: ``(slot, gen)``, ``True`` (stored
+        already) or ``False`` (no room) a key."""
+        slots = [-1 if isinstance(got, bool) else got[0] for got in reserved]
+        writes = cls(store, arena, SlotViews(arena, slots, nbytes), layout_word)
+        writes.__dict__.update(_reserved=reserved, _words=words)
         return writes
 
     @functools.cached_property
     def _reserved(self) -> list[Any]:
-        """What :meth:`Arena.reserve` answers, for the key-by-key ways: ``(slot, gen)``,
-        ``True`` (stored already) or ``False`` (no room) a key."""
+        """A tuple a key, as :meth:`Arena.reserve` answers, for the key-by-key ways."""
         out: list[Any] = (self._codes == ROOM_STORED).tolist()
         taken = np.flatnonzero(self._codes == ROOM_TAKEN)
         for i, s, gen in zip(taken.tolist(), *self._rows[taken].T.tolist()):
@@ -752,8 +753,36 @@ class _ArenaWrites(SlotWrites):
     def _words(self) -> list[tuple[int, int]]:
         return list(zip(*self._key_words.T.tolist()))
 
+    @functools.cached_property
+    def _codes(self) -> np.ndarray:
+        reserved = self._reserved
+        return np.fromiter(
+            (ROOM_STORED if got is True else ROOM_FULL if got is False else ROOM_TAKEN
+             for got in reserved), np.uint8, len(reserved),
+        )  # fmt: skip
+
+    @functools.cached_property
+    def _rows(self) -> np.ndarray:
+        rows = [(0, 0) if isinstance(got, bool) else got for got in self._reserved]
+        return np.array(rows, np.uint64).reshape(len(rows), 2)
+
+    @functools.cached_property
+    def _key_words(self) -> np.ndarray:
+        return np.array(self._words, np.uint64).reshape(len(self._words), 2)
+
+    def _settled(self) -> list[KeyResult | None]:
+        """Per key, its result where it has no slot to fill (see :func:`_settled`)."""
+        if "_reserved" in self.__dict__:
+            return _settled(self._reserved)
+        return [
+            None if c == ROOM_TAKEN else OK if c == ROOM_STORED else _FULL
+            for c in self._codes.tolist()
+        ]
+
     def _slotted(self) -> list[int]:
         """The keys given a slot."""
+        if "_reserved" in self.__dict__:
+            return [i for i, got in enumerate(self._reserved) if not isinstance(got, bool)]
         return np.flatnonzero(self._codes == ROOM_TAKEN).tolist()  # type: ignore[no-any-return]
 
     def addresses(self) -> np.ndarray:
@@ -769,11 +798,8 @@ class _ArenaWrites(SlotWrites):
 
     def commit(self, digests: Sequence[int | None] | None = None) -> Task:
         self._end()
-        n = len(self._codes)
-        settled: list[KeyResult | None] = [
-            None if c == ROOM_TAKEN else OK if c == ROOM_STORED else _FULL
-            for c in self._codes.tolist()
-        ]
+        n = len(self.views)
+        settled = self._settled()
         if digests is not None and len(digests) != n:
             self._give_back(self._slotted())
             raise ValueError(f"{len(digests)} digests for {n} keys")
@@ -789,7 +815,7 @@ class _ArenaWrites(SlotWrites):
     def _book(self, digests: Sequence[int | None], settled: list[KeyResult | None]) -> Task:
         """Publish the batch with the caller's digests, here, in one hold of the lock: with
         no byte to read, handing it to the copy threads a chunk at a time only costs."""
-        task = Task(len(self._codes))
+        task = Task(len(self.views))
         done = [i for i, r in enumerate(settled) if r is not None]
         task.set_results(done, [settled[i] for i in done])  # type: ignore[misc]
         todo = [i for i, r in enumerate(settled) if r is None]
@@ -813,7 +839,7 @@ class _ArenaWrites(SlotWrites):
         key with no digest, anything unusual in the arena): the key-by-key way then."""
         if not vectorised(len(todo)):
             return None
-        whole = len(todo) == len(self._codes)
+        whole = len(todo) == len(self.views)
         try:
             found = np.asarray(digests if whole else [digests[i] for i in todo], np.uint64)
         except (TypeError, ValueError, OverflowError):  # a None, or not a digest
