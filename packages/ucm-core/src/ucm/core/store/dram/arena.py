@@ -157,6 +157,18 @@ def _compiled(keys: int) -> bool:
     return _LIBRARY is not None and keys >= COMPILED_MIN_KEYS
 
 
+def reserved_of(codes: np.ndarray, rows: np.ndarray) -> list[tuple[int, int] | bool]:
+    """:meth:`Arena.reserve_rows`' codes and rows as :meth:`Arena.reserve` answers:
+    ``(slot, gen)``, ``True`` (stored already) or ``False`` (no room) a key."""
+    if not codes.any():  # every key given a slot: the usual batch
+        return list(zip(*rows.T.tolist()))
+    out: list[tuple[int, int] | bool] = (codes == ROOM_STORED).tolist()
+    taken = np.flatnonzero(codes == ROOM_TAKEN)
+    for i, s, gen in zip(taken.tolist(), *rows[taken].T.tolist()):
+        out[i] = (s, gen)
+    return out
+
+
 def _distinct(words: np.ndarray) -> bool:
     """Whether no key of ``words`` (``(n, 2)`` uint64) appears twice; False too where two
     keys' words mix alike (a 1-D unique: numpy's fixed cost, a set below 32 keys)."""
@@ -766,14 +778,7 @@ class Arena:
         """:meth:`reserve`'s loop in compiled calls (caller holds the lock; no key twice)."""
         n = len(keys)
         words = np.fromiter(itertools.chain.from_iterable(keys), np.uint64, 2 * n)
-        codes, rows = self._reserve_arrays(words, word, now, evict_batch)
-        if not codes.any():  # every key given a slot: the usual batch
-            return list(zip(*rows.T.tolist()))
-        out: list[tuple[int, int] | bool] = (codes == ROOM_STORED).tolist()
-        taken = np.flatnonzero(codes == ROOM_TAKEN)
-        for i, s, gen in zip(taken.tolist(), *rows[taken].T.tolist()):
-            out[i] = (s, gen)
-        return out
+        return reserved_of(*self._reserve_arrays(words, word, now, evict_batch))
 
     def _reserve_arrays(
         self, words: np.ndarray, word: int, now: int, evict_batch: int
@@ -1001,21 +1006,20 @@ class Arena:
         n = slots.size
         if not (gens.size == digests.size == n and words.shape == (n, 2)):
             raise ValueError("publish_booked takes one gen, key and digest a slot")
-        if _compiled(n):  # one length, layout and 8-byte digest a block, as given
+        compiled = _compiled(n)
+        found = np.ascontiguousarray(digests, "<u8")
+        if compiled:  # one length, layout and 8-byte digest a block, as given
             held = np.empty((n, 2), np.uint64)
             held[:, 0], held[:, 1] = slots, gens
-            found = np.ascontiguousarray(digests, "<u8")
-            with self.locked(wait_s):
-                word = self._owner_word
-                if not word:
-                    return None
-                return self._publish_compiled(held, length, layout, found, words, word)
-        seals = np.zeros((n, SEAL_BYTES), np.uint8)
-        seals[:, :8] = np.ascontiguousarray(digests, dtype="<u8").view(np.uint8).reshape(n, 8)
+        else:
+            seals = np.zeros((n, SEAL_BYTES), np.uint8)
+            seals[:, :8] = found.view(np.uint8).reshape(n, 8)
         with self.locked(wait_s):
             word = self._owner_word
             if not word:
                 return None
+            if compiled:
+                return self._publish_compiled(held, length, layout, found, words, word)
             return self._publish_arrays(
                 slots.astype(np.int64),
                 gens.astype(np.uint64),
@@ -1042,8 +1046,7 @@ class Arena:
             return None
         if np.unique(slots).size != slots.size:
             return None
-        # a key twice (or two keys whose words mix alike: the loop then, as for a key twice)
-        if np.unique(words[:, 0] ^ (words[:, 1] * np.uint64(_PAIR_MIX))).size != words.shape[0]:
+        if not _distinct(words):  # (a key twice: the loop then)
             return None
         mine = (
             (npc["state"][slots] == WRITING)

@@ -64,6 +64,7 @@ from ucm.core.store.dram.arena import (
     Geometry,
     Pinned,
     PinnedRows,
+    reserved_of,
     vectorised,
 )
 from ucm.core.store.dram.config import DramStoreConfig
@@ -345,12 +346,12 @@ class SharedMemoryStore(Store):
         layout_word = _layout_word(layout)
         try:
             arena = self._arena_for(nbytes)
-            booked = None
+            names, booked = self._names(keys), None
             if vectorised(len(keys)):
-                words = np.frombuffer(self._names(keys), "<u8").reshape(-1, 2)
+                words = np.frombuffer(names, "<u8").reshape(-1, 2)
                 booked = arena.reserve_rows(words, _evict_batch(arena))
             if booked is None:  # (a small batch, no library, or a key twice: the loop)
-                listed = self._words(keys)
+                listed = list(_KEY.iter_unpack(names))
                 reserved = _reserve(arena, listed)
         except (ConfigError, ArenaBusy) as exc:
             log.debug("ucm dram store: no room to write in place (%s)", exc)
@@ -743,11 +744,7 @@ class _ArenaWrites(SlotWrites):
     @functools.cached_property
     def _reserved(self) -> list[Any]:
         """A tuple a key, as :meth:`Arena.reserve` answers, for the key-by-key ways."""
-        out: list[Any] = (self._codes == ROOM_STORED).tolist()
-        taken = np.flatnonzero(self._codes == ROOM_TAKEN)
-        for i, s, gen in zip(taken.tolist(), *self._rows[taken].T.tolist()):
-            out[i] = (s, gen)
-        return out
+        return reserved_of(self._codes, self._rows)
 
     @functools.cached_property
     def _words(self) -> list[tuple[int, int]]:
