@@ -1,8 +1,6 @@
 """The posix store's reads of blocks (``read_blocks``, compiled and in Python) and the reads
 a thread that waits for a load does itself: from memory only, on local filesystems only."""
 
-import ctypes
-import mmap
 import os
 import threading
 import time
@@ -23,6 +21,7 @@ from ucm.core.store.posix.fileio import (
     quick_read_flags,
     read_blocks,
 )
+from ucm.lab.page_cache import cached_pages
 
 needs_library = pytest.mark.skipif(NATIVE is None, reason="ucm-core built without its library")
 
@@ -127,24 +126,6 @@ def test_what_is_not_a_whole_block_file_is_told_apart(tmp_path, library):
         os.close(blocks_fd)
 
 
-def _cached_pages(fd: int, size: int) -> int:
-    """How many of the file's pages the page cache holds (mincore over a mapping, which
-    reads nothing: a probing read could start the kernel's readahead)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    pages = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    try:
-        at = np.frombuffer(mapped, np.uint8)
-        done = libc.mincore(at.ctypes.data, size, vec)
-        del at
-    finally:
-        mapped.close()
-    assert done == 0, os.strerror(ctypes.get_errno())
-    return sum(v & 1 for v in vec)
-
-
 def page_cache_dropped(path) -> None:
     """The file's pages out of the page cache (the kernel may keep some through a drop,
     under writeback or memory pressure: a few tries, then the test is skipped rather than
@@ -155,7 +136,7 @@ def page_cache_dropped(path) -> None:
         for _ in range(50):
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if not _cached_pages(fd, size):
+            if not cached_pages(fd, size):
                 return
             time.sleep(0.02)
         pytest.skip("the page cache kept the test's block through every drop")

@@ -117,7 +117,8 @@ def test_the_dtype_follows_the_cpu_and_the_floor_holds_every_prompt():
 
 @pytest.mark.engine
 def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, capsys):
-    """Real servers and vLLM's own client: the floor, and UCM on dram across a restart."""
+    """Real servers and vLLM's own client: the floor, and UCM tiered (dram over posix)
+    across a restart, its disk's files read into the page cache before its run."""
     from ucm.lab.testing.zygote import forked
     from ucm.lab.vllm.serve_process import ServeProcess, serve_command
 
@@ -127,7 +128,7 @@ def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, cap
     client = forked([sys.executable, "-m", "ucm.lab.vllm.vllm_bench_serve"])
     report_path = tmp_path / "report.json"
     code = bench_peer.main(
-        ["--systems", "vllm-floor,ucm-dram", "--lengths", "256", "--prefixes", "2",
+        ["--systems", "vllm-floor,ucm-tiered", "--lengths", "256", "--prefixes", "2",
          "--concurrency", "2", "--output", "2", "--dtype", "float32", "--rounds", "1",
          "--json", str(report_path)],
         Starters(server=from_the_zygote, client=client),
@@ -136,18 +137,19 @@ def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, cap
     assert code == 0, report
     assert not report["refused"] and not report["reuse_differs"]
     runs = {r["system"]: r for r in report["runs"]}
-    assert runs.keys() == {"vllm-floor", "ucm-dram"}
+    assert runs.keys() == {"vllm-floor", "ucm-tiered"}
     # 2 prompts of 256 + 64 tokens: vLLM's own cache hits 9 whole blocks of 32 (the last
     # token is computed); the connector is asked for all but the last token
     assert runs["vllm-floor"]["reused_tokens"] == 2 * 288
-    assert runs["ucm-dram"]["reused_tokens"] == 2 * 319
-    assert runs["ucm-dram"]["rounds"] == 1 and len(runs["ucm-dram"]["ttfts_s"]) == 2
+    assert runs["ucm-tiered"]["reused_tokens"] == 2 * 319
+    assert runs["ucm-tiered"]["rounds"] == 1 and len(runs["ucm-tiered"]["ttfts_s"]) == 2
     # UCM's run follows one of the floor's, on the floor's server kept up (a round: the
     # pooling of several is checked above, without servers)
     assert [(r["system"], r.get("beside")) for r in report["rounds"]] == [
-        ("vllm-floor", "ucm-dram"), ("ucm-dram", None)]  # fmt: skip
-    assert [r["system"] for r in report["against_vllm-floor"]] == ["ucm-dram"]
-    assert "| 256 | 2 | UCM, dram |" in capsys.readouterr().err
+        ("vllm-floor", "ucm-tiered"), ("ucm-tiered", None)]  # fmt: skip
+    assert [r["system"] for r in report["against_vllm-floor"]] == ["ucm-tiered"]
+    assert 0.0 <= report["rounds"][1]["page_cache_before"] <= 1.0
+    assert "| 256 | 2 | UCM, tiered |" in capsys.readouterr().err
 
 
 def test_a_cold_run_reuses_nothing_and_is_not_held_to_the_floor():

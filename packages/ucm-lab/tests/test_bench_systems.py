@@ -45,6 +45,16 @@ def test_vllm_alone_and_the_floor_take_no_connector():
     plain, floor = make_system("vllm", "/w", 32, 32), make_system("vllm-floor", "/w", 32, 32)
     assert plain.serve_args == floor.serve_args == []
     assert floor.floor and not plain.floor
+    assert plain.disk is floor.disk is None
+
+
+def test_a_system_names_its_store_s_folder_on_disk_where_it_has_one(tmp_path):
+    # (a run warms that folder's page cache before timing the system: bench_peer)
+    for name in ("ucm-posix", "ucm-tiered", "ucm-dram"):
+        system = make_system(name, str(tmp_path), 32, 32)
+        store = transfer_config(system)["kv_connector_extra_config"]["store"]
+        on_disk = {"ucm-posix": store, "ucm-tiered": store.get("backing")}.get(name)
+        assert system.disk == (on_disk["path"] if on_disk else None), name
 
 
 def test_lmcache_runs_its_own_server_and_connector_from_its_own_environment(tmp_path):

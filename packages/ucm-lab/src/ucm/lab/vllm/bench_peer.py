@@ -12,7 +12,10 @@ KV space and CPU threads (``ucm.lab.vllm.bench_systems`` starts them):
   ucm-posix, ucm-dram, ucm-tiered, lmcache: pass 1 stores every prompt, the server is
               restarted and warmed up on prompts that are not the run's (as pass 1 warmed
               the floor's), and each run of pass 2 starts with vLLM's own cache emptied
-              (``POST /reset_prefix_cache``): every hit comes from the store.
+              (``POST /reset_prefix_cache``): every hit comes from the store.  A disk
+              store's files (posix, tiered's backing) are read into the page cache before
+              each of its runs, the share it still held in the run's ``page_cache_before``
+              (the page cache alone does not keep them: ``ucm.lab.page_cache``).
 
 Pass 2 runs ``--rounds`` times per prefix length and concurrency (one request at a time,
 then ``--concurrency`` at once), the prompts of each length those of pass 1 (the same
@@ -47,6 +50,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+from ucm.lab import page_cache
 from ucm.lab.vllm.bench_serve import BLOCK_SIZE, MODEL_NAME, cpuinfo, machine
 from ucm.lab.vllm.bench_systems import (
     QUIET_ENV,
@@ -385,15 +389,23 @@ def run_system(system: System, bench: Bench, floor: ServeProcess | None = None) 
                                            beside=system.name))  # fmt: skip
                     if not system.floor:
                         server.reset_prefix_cache()
+                    # a disk store on a warm page cache: its files read in before the run
+                    warmth = page_cache.warm(system.disk) if system.disk else None
                     runs.append(_timed(bench, server, system.name, length, concurrency))
+                    if warmth is not None:
+                        runs[-1]["page_cache_before"] = warmth.cached_before
+                cached = runs[-1].get("page_cache_before")
                 print(
                     f"  {system.name}: {length}-token prefixes, {concurrency} in flight: "
                     f"TTFT p50 {runs[-1]['ttft_p50_s']:.3f} s (last round; UCM's loads "
                     f"{1000 * runs[-1]['ucm_load_s'] / bench.args.prefixes:.1f} ms a request, "
                     f"steps waited "
-                    f"{1000 * runs[-1]['ucm_load_wait_s'] / bench.args.prefixes:.1f} ms)",
+                    f"{1000 * runs[-1]['ucm_load_wait_s'] / bench.args.prefixes:.1f} ms"
+                    + ("" if cached is None else f"; its files {cached:.0%} in the page cache "
+                       "before they were read in")
+                    + ")",
                     file=sys.stderr,
-                )
+                )  # fmt: skip
     except RuntimeError as exc:
         return {"system": system.name, "ran": ran, "refused": str(exc)[-600:], "runs": runs}
     finally:

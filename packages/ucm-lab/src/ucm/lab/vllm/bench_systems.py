@@ -48,6 +48,9 @@ class System:
     # vLLM alone with room for every history and no restart: its own prefix cache then hits
     # wherever any store could, at no transfer cost, the floor no store can go under
     floor: bool = False
+    # where the system's store keeps blocks on disk: a run warms their page cache first
+    # (a disk store is measured "on a warm page cache": ucm.lab.page_cache)
+    disk: str | None = None
 
 
 class Sidecar(Protocol):
@@ -125,7 +128,9 @@ def make_system(
         store = _ucm_store(name[len("ucm-") :], work)
         settings = {"block_tokens": block_tokens, "store_cpus": store_cpus, **(ucm_settings or {})}
         config = connector_config(store, settings)
-        return System(name, ["--kv-transfer-config", config])
+        on_disk = store.get("backing", store)
+        disk = on_disk["path"] if on_disk.get("kind") == "posix" else None
+        return System(name, ["--kv-transfer-config", config], disk=disk)
     if name == "lmcache":
         if lmcache_python is None:
             raise ValueError(
