@@ -3,8 +3,8 @@
 A benchmark of a disk store "on a warm page cache" must see the store's files in memory
 when it is timed, and the page cache does not keep them there on its own: on the
 development VM, a file nobody touched lost 5 % of its cached pages within 90 seconds
-with most of the memory free (the kernel's reclaim counters unchanged), so a store's
-blocks written in pass 1 were half out of memory by pass 2. :func:`warm` reads a folder's
+with most of the memory free (the kernel's reclaim counters unchanged), and half of a
+store's block files written in pass 1 were partly out of memory by pass 2. :func:`warm` reads a folder's
 files into the cache before a timed run and says how much of them it held before.
 """
 
