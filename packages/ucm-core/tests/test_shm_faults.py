@@ -583,11 +583,10 @@ def test_loads_racing_a_holder_of_the_lock_end_ok_or_busy_and_leave_whole_books(
         holder = threading.Thread(target=hold_again_and_again)
         holder.start()
         seen = set()
+        words = store._words(keys)
 
         def load(round_):
             out = [bytearray(block) for _ in keys]
-            chunk = list(range(len(keys)))
-            words = store._words(keys)
             try:
                 got = arena.load_compiled(
                     words, [block] * len(keys), [[memoryview(o)] for o in out], 0, wait_s=0.02
@@ -599,7 +598,7 @@ def test_loads_racing_a_holder_of_the_lock_end_ok_or_busy_and_leave_whole_books(
                 seen.add("owed")
                 return
             codes = got.codes
-            assert codes == [arena_module.LOADED] * len(chunk), round_
+            assert codes == [arena_module.LOADED] * len(keys), round_
             assert all(bytes(o) == blob(i, block).tobytes() for i, o in enumerate(out))
             seen.add("loaded")
 

@@ -4,13 +4,15 @@ A benchmark of a disk store "on a warm page cache" must see the store's files in
 when it is timed, and the page cache does not keep them there on its own: on the
 development VM, a file nobody touched lost 5 % of its cached pages within 90 seconds
 with most of the memory free (the kernel's reclaim counters unchanged), and half of a
-store's block files written in pass 1 were partly out of memory by pass 2. :func:`warm` reads a folder's
-files into the cache before a timed run and says how much of them it held before.
+store's block files written in pass 1 were partly out of memory by pass 2. :func:`warm`
+reads a folder's files into the cache before a timed run and says how much of them it
+held before.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import stat
@@ -21,14 +23,21 @@ import numpy as np
 _READ_BYTES = 1 << 20  # a read's size while warming
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc with mincore's signature, made once (warm asks it for every file)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
 def cached_pages(fd: int, size: int) -> int:
     """How many of the first ``size`` bytes' pages of the file open at ``fd`` the page
     cache holds (mincore over a mapping, which reads nothing: a probing read could start
     the kernel's readahead)."""
     if size <= 0:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc = _libc()
     pages = -(-size // mmap.PAGESIZE)
     vec = (ctypes.c_ubyte * pages)()
     mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
