@@ -13,6 +13,7 @@ from ucm.lab.vllm.bench_peer import (
     check_reuse,
     client_args,
     dtype,
+    forked_client,
     kv_space_gib,
     ratios,
     read_result,
@@ -125,14 +126,16 @@ def test_a_small_run_reuses_what_the_floor_reuses_across_a_restart(tmp_path, cap
     def from_the_zygote(*args, python=sys.executable, **kwargs):
         return ServeProcess(*args, python=python, launcher=forked(serve_command()), **kwargs)
 
-    client = forked([sys.executable, "-m", "ucm.lab.vllm.vllm_bench_serve"])
     report_path = tmp_path / "report.json"
-    code = bench_peer.main(
-        ["--systems", "vllm-floor,ucm-tiered", "--lengths", "256", "--prefixes", "2",
-         "--concurrency", "2", "--output", "2", "--dtype", "float32", "--rounds", "1",
-         "--json", str(report_path)],
-        Starters(server=from_the_zygote, client=client),
-    )  # fmt: skip
+    # the client as a real run starts it: forked from a process that imported it once
+    with forked_client() as client:
+        assert client[1:] == ["-m", "ucm.lab.vllm.vllm_bench_serve"]
+        code = bench_peer.main(
+            ["--systems", "vllm-floor,ucm-tiered", "--lengths", "256", "--prefixes", "2",
+             "--concurrency", "2", "--output", "2", "--dtype", "float32", "--rounds", "1",
+             "--json", str(report_path)],
+            Starters(server=from_the_zygote, client=client),
+        )  # fmt: skip
     report = json.loads(report_path.read_text())
     assert code == 0, report
     assert not report["refused"] and not report["reuse_differs"]
