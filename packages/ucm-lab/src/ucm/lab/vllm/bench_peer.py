@@ -30,6 +30,8 @@ each system reused a round (``/metrics``: vLLM's own hits and the connector's), 
 be the same for every system but the cold one.  JSON last.
 
     python -m ucm.lab.vllm.bench_peer [--lengths 512,2048,8192] [--prefixes 8] ...
+
+Its figure (``ucm.lab.vllm.peer_plot``) is drawn from the report's JSON.
 """
 
 from __future__ import annotations
