@@ -107,13 +107,12 @@ CLIENT_PRELOAD = ("torch", "vllm", "vllm.benchmarks.serve", "vllm.utils.argparse
 
 
 @contextlib.contextmanager
-def forked_client(python: str = sys.executable) -> Iterator[list[str]]:
-    """``bench_command(python)``, each run a child forked from a process that imported the
-    client once (``ucm.lab.testing.zygote``), in the environment the client is run in: the
-    same code, run unchanged, without its 23 s of imports a run.  Where the client is the
-    ``vllm`` command of a distribution, or ``python`` is not this interpreter, it is the
-    command as it is."""
-    command = bench_command(python)
+def forked_client() -> Iterator[list[str]]:
+    """``bench_command()``, each run a child forked from a process that imported the client
+    once (``ucm.lab.testing.zygote``), in the environment the client is run in: the same
+    code, run unchanged, without its 23 s of imports a run.  Where the client is the
+    ``vllm`` command of a distribution, that command as it is."""
+    command = bench_command()
     if command[:2] != [sys.executable, "-m"]:
         yield command
         return
