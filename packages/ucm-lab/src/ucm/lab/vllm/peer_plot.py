@@ -10,12 +10,11 @@ and the 1.1x a store must stay within.  Pure, but for the figure (matplotlib, th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ucm.lab.vllm.serve_report import PERCENTILES, STYLES, label
+from ucm.lab.vllm.serve_report import PERCENTILES, STYLES, label, read_report
 
 #: what a store must stay within, over the floor (issue 44's target)
 TARGET = 1.1
@@ -137,13 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot-from", required=True, help="a report bench_peer wrote (--json)")
     p.add_argument("--plot", required=True, help="the PNG to write")
     args = p.parse_args(argv)
-    try:
-        with open(args.plot_from) as f:
-            report = json.load(f)
-    except (OSError, ValueError) as exc:
-        p.error(f"cannot read {args.plot_from}: {exc}")
-    if not isinstance(report, dict) or "against_vllm-floor" not in report:
-        p.error(f"{args.plot_from}: not a bench_peer report (no against_vllm-floor)")
+    report = read_report(p, args.plot_from, "bench_peer", "against_vllm-floor")
     if not cells(report):
         p.error(f"{args.plot_from}: no system was run beside the floor")
     plot(report, args.plot)

@@ -307,15 +307,22 @@ def main(argv: list[str] | None = None) -> int:
         "--machine", default=None, help="the machine it ran on, where the report has none"
     )
     args = p.parse_args(argv)
-    try:
-        with open(args.plot_from) as f:
-            report = json.load(f)
-    except (OSError, ValueError) as exc:
-        p.error(f"cannot read {args.plot_from}: {exc}")
-    if not isinstance(report, dict) or "ttft_p50_by_round" not in report:
-        p.error(f"{args.plot_from}: not a bench_serve report (no ttft_p50_by_round)")
+    report = read_report(p, args.plot_from, "bench_serve", "ttft_p50_by_round")
     plot_report(report, args.plot, args.machine)
     return 0
+
+
+def read_report(p: argparse.ArgumentParser, path: str, writer: str, key: str) -> dict[str, Any]:
+    """The report at ``path`` that ``writer`` wrote (``--json``), one with ``key``; where it
+    is not, ``p``'s error names the file and what is wrong."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as exc:
+        p.error(f"cannot read {path}: {exc}")
+    if not isinstance(report, dict) or key not in report:
+        p.error(f"{path}: not a {writer} report (no {key})")
+    return report
 
 
 if __name__ == "__main__":
