@@ -615,8 +615,8 @@ def main(argv: list[str] | None = None, starters: Starters | None = None) -> int
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         if starters is None:
-            client = stack.enter_context(forked_client()) if args.fork_client else None
-            starters = Starters() if client is None else Starters(client=client)
+            forked = args.fork_client and stack.enter_context(forked_client())
+            starters = Starters(client=forked) if forked else Starters()
         bench = Bench(args, common, env, work, model, tokenizer, starters)
         results = run_systems(bench, names)
     raw = [run for r in results.values() for run in r.get("runs", [])]

@@ -31,8 +31,7 @@ def cells(
     for row in report["against_vllm-floor"]:
         if row["system"] in OFF_SCALE:
             continue
-        cell = out.setdefault((row["length"], row["concurrency"]), {})
-        cell[row["system"]] = tuple(float(row[f"ttft_p{p}_s"]) for p in PERCENTILES)
+        out.setdefault((row["length"], row["concurrency"]), {})[row["system"]] = _ratios(row)
     return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0])))
 
 
@@ -41,28 +40,28 @@ def off_scale(report: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
     seen: dict[str, list[float]] = {}
     for row in report["against_vllm-floor"]:
         if row["system"] in OFF_SCALE:
-            seen.setdefault(row["system"], []).extend(
-                float(row[f"ttft_p{p}_s"]) for p in PERCENTILES
-            )
-    return {name: (min(v), max(v)) for name, v in seen.items() if v}
+            seen.setdefault(row["system"], []).extend(_ratios(row))
+    return {name: (min(v), max(v)) for name, v in seen.items()}
+
+
+def _ratios(row: Mapping[str, Any]) -> tuple[float, ...]:
+    return tuple(float(row[f"ttft_p{p}_s"]) for p in PERCENTILES)
 
 
 def caption(report: Mapping[str, Any]) -> tuple[str, str]:
     """The figure's title and the note under it: what ran, where, and what is off scale."""
     s = report["settings"]
     title = "Time to first token over vLLM's own cache (the floor), by vLLM's own client"
-    parts = [
+    layers = s.get("model", {}).get("num_hidden_layers")
+    ran = (
         f"{s['prefixes']} prompts a length, a {s['suffix']}-token suffix each, "
         f"{s['rounds']} rounds a cell, each beside one of the floor's; "
-        f"a Llama of 4 layers in {s['dtype']}",
-    ]
-    if s.get("machine"):
-        parts[0] += f", on {s['machine']}"
-    far = off_scale(report)
-    if far:
-        parts.append("; ".join(f"{label(n)}: {lo:.0f}-{hi:.0f}x, off this scale"
-                               for n, (lo, hi) in far.items()))  # fmt: skip
-    return title, "\n".join(parts)
+        + (f"a model of {layers} layers" if layers else "the model") + f" in {s['dtype']}"
+        + (f", on {s['machine']}" if s.get("machine") else "")
+    )  # fmt: skip
+    far = "; ".join(f"{label(n)}: {lo:.0f}-{hi:.0f}x, off this scale"
+                    for n, (lo, hi) in off_scale(report).items())  # fmt: skip
+    return title, ran + (f"\n{far}" if far else "")
 
 
 def peer_figure(report: Mapping[str, Any]) -> Any:

@@ -473,7 +473,9 @@ class PosixStore(Room, Store):
         block of a signed or O_DIRECT store."""
         if self._direct or self._signer is not None:
             return [None] * len(keys)
-        flags = self._quick_flags or 0  # on a local filesystem, from memory only
+        # on a local filesystem, from memory only (a miss starts the kernel's readahead of
+        # it, which the read does not wait for: a fast disk may land it before it looks again)
+        flags = self._quick_flags or 0
         names = [self._file_name(key) for key in keys]
         headers = memoryview(self._bounce.pages(len(keys)))
         with self._reading_blocks(names):
